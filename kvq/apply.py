@@ -1,0 +1,112 @@
+"""Putting quantizers on a model's KV path.
+
+hook:  quantize-dequantize the k_proj / v_proj outputs (pre-RoPE, pre-norm), as the SRFT paper's
+       hook-PPL (Sec. 3.3).
+cache: quantize-dequantize K/V post-RoPE when they are written to the cache, through a DynamicCache
+       subclass, as the HQMQ paper's evaluation; sliding-window layers keep their own cache layers.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvq.errors import KvqError
+from kvq.quant import QuantSpec, Quantizer, Site, build_quantizer
+
+MODES = ("hook", "cache")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+
+def kv_geometry(model_config) -> KVGeometry:
+    config = model_config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return KVGeometry(config.num_hidden_layers, n_kv, head_dim)
+
+
+class QuantizerBank:
+    """One quantizer per (layer, K|V) site, built on first use; lambdas come from a calibration."""
+
+    def __init__(self, spec: QuantSpec, geometry: KVGeometry,
+                 lambdas: dict[tuple[int, str], torch.Tensor] | None = None):
+        self.spec = spec
+        self.geometry = geometry
+        self.lambdas = lambdas or {}
+        self._built: dict[tuple[int, str], Quantizer] = {}
+        # Bad bits or group sizes should fail here, before any model work.
+        self.bits_per_element(1)
+
+    def get(self, layer: int, role: str) -> Quantizer:
+        key = (layer, role)
+        if key not in self._built:
+            site = Site(layer, role, self.geometry.head_dim, self.lambdas.get(key))
+            self._built[key] = build_quantizer(self.spec, site)
+        return self._built[key]
+
+    def bits_per_element(self, n_tokens: int) -> float:
+        return self.get(0, "k").bits_per_element(self.geometry.head_dim, n_tokens)
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    found = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "layer_idx")]
+    if not found:
+        raise KvqError(f"{type(model).__name__} has no attention modules with k_proj/v_proj; hook mode needs them")
+    return found
+
+
+def _projection_hook(quantizer: Quantizer, head_dim: int) -> Callable:
+    def hook(_module, _inputs, output):
+        batch, tokens, width = output.shape
+        heads = output.view(batch, tokens, width // head_dim, head_dim).transpose(1, 2)
+        return quantizer(heads).transpose(1, 2).reshape(batch, tokens, width).to(output.dtype)
+
+    return hook
+
+
+class QuantizedWriteCache(DynamicCache):
+    """DynamicCache that quantize-dequantizes every K/V write (post-RoPE)."""
+
+    def __init__(self, bank: QuantizerBank, config=None):
+        super().__init__(config=config)
+        self.bank = bank
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        key_states = self.bank.get(layer_idx, "k")(key_states).to(key_states.dtype)
+        value_states = self.bank.get(layer_idx, "v")(value_states).to(value_states.dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+@contextmanager
+def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) -> Iterator[Callable[[], dict]]:
+    """Yields a function giving the forward() kwargs for one fresh forward pass under `mode`.
+
+    With bank None the model runs unquantized (the fp baseline), on the same code path.
+    """
+    if mode not in MODES:
+        raise KvqError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    handles = []
+    try:
+        if mode == "hook":
+            if bank is not None:
+                head_dim = bank.geometry.head_dim
+                for attention in attention_modules(model):
+                    layer = attention.layer_idx
+                    handles.append(attention.k_proj.register_forward_hook(_projection_hook(bank.get(layer, "k"), head_dim)))
+                    handles.append(attention.v_proj.register_forward_hook(_projection_hook(bank.get(layer, "v"), head_dim)))
+            yield lambda: {"use_cache": False}
+        elif bank is None:
+            yield lambda: {"use_cache": True, "past_key_values": DynamicCache(config=model.config)}
+        else:
+            yield lambda: {"use_cache": True, "past_key_values": QuantizedWriteCache(bank, config=model.config)}
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,184 @@
+"""The `kvq` command. Thin: parse, call the library, print."""
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import typer
+from tqdm import tqdm
+
+from kvq.errors import KvqError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="KV-cache quantization research harness.")
+
+
+def progress_bar(desc: str):
+    return lambda items: tqdm(items, desc=desc, leave=False, file=sys.stderr)
+
+
+def parse_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise KvqError(f"--option takes key=value, got {pair!r}")
+        options[key] = _scalar(value)
+    return options
+
+
+def _scalar(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+@app.command()
+def ppl(
+    model: str = typer.Option("smollm2-135m", help="built-in name, HF id or local path"),
+    quant: str = typer.Option("srft", help="quantizer name (kvq list)"),
+    bits: int = typer.Option(4),
+    granularity: str = typer.Option("per_token", help="per_token|per_channel|per_group|per_channel_group"),
+    group_size: int = typer.Option(32),
+    asymmetric: bool = typer.Option(False, help="asymmetric (zero point) instead of symmetric"),
+    scale_dtype: str = typer.Option("float32"),
+    seed: int = typer.Option(0),
+    option: list[str] = typer.Option([], help="method-specific key=value, repeatable"),
+    mode: str = typer.Option("hook", help="hook (k_proj/v_proj outputs) or cache (post-RoPE at cache write)"),
+    corpus: str = typer.Option("shakespeare", help="shakespeare, a local .txt file/dir, or hf:<dataset>"),
+    seq_len: int = typer.Option(256),
+    n_windows: int = typer.Option(8),
+    batch_size: int = typer.Option(2),
+    device: str = typer.Option("cpu"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
+):
+    """Perplexity of one model under one quantizer, against its fp baseline."""
+    from kvq import models
+    from kvq.experiment import DataSpec, check_mode, eval_windows, make_bank, measure
+    from kvq.provenance import provenance
+    from kvq.quant import QuantSpec
+
+    spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option))
+    data = DataSpec(corpus, seq_len, n_windows, batch_size)
+    check_mode(mode)
+    bank = make_bank(models.load_config(model), spec)
+    lm = models.load(model, device=device)
+    windows = eval_windows(lm, data)
+    base = measure(lm, windows, None, mode, data, progress_bar("fp baseline"))
+    quantized = measure(lm, windows, bank, mode, data, progress_bar(spec.label()))
+    bits_per_element = bank.bits_per_element(seq_len)
+    typer.echo(f"model {model}  mode {mode}  quantizer {spec.label()}  windows {n_windows}x{seq_len}")
+    typer.echo(f"fp PPL         {base.ppl:.4f}")
+    typer.echo(f"quantized PPL  {quantized.ppl:.4f}")
+    typer.echo(f"dPPL           {quantized.ppl - base.ppl:+.4f}")
+    typer.echo(f"bits/element   {bits_per_element:.4f}")
+    if json_out:
+        record = {
+            "model": model, "mode": mode, "quant": spec.to_dict(), "data": data.to_dict(),
+            "bits_per_element": bits_per_element, "fp": base.to_dict(), "quantized": quantized.to_dict(),
+            "dppl": quantized.ppl - base.ppl, **provenance(device),
+        }
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(record, indent=2))
+        typer.echo(f"wrote {json_out}")
+
+
+@app.command()
+def sweep(
+    config: Path = typer.Argument(..., help="sweep YAML, e.g. configs/qwen_4bit.yaml"),
+    runs_dir: Path = typer.Option(Path("runs"), help="cells go to <runs-dir>/<sweep name>/"),
+    results: Path = typer.Option(Path("RESULTS.md"), help="ledger the finished sweep appends to"),
+    dry_run: bool = typer.Option(False, help="list the cells and exit"),
+    force: bool = typer.Option(False, help="rerun finished cells"),
+    device: str = typer.Option("cpu"),
+):
+    """Run every cell of a YAML sweep (resumable), then plot and append a finding to RESULTS.md."""
+    from kvq.ledger import append_finding
+    from kvq.plot import plot_dppl_vs_bits
+    from kvq.report import sweep_finding
+    from kvq.results import load
+    from kvq.sweep import cell_path, is_finished, run_sweep, sweep_dir
+    from kvq.sweep_spec import expand, load_sweep
+
+    spec = load_sweep(config)
+    if dry_run:
+        cells = expand(spec)
+        directory = sweep_dir(runs_dir, spec)
+        for cell in cells:
+            state = "done" if is_finished(cell_path(directory, cell)) else "todo"
+            typer.echo(f"{cell.id}  {state}  {cell.model}  seed={cell.quant.seed}  {cell.quant.label()}")
+        typer.echo(f"{len(cells)} cells")
+        return
+    try:
+        outcome = run_sweep(spec, runs_dir, force, device,
+                            cell_progress=lambda cells: tqdm(cells, desc="cells", file=sys.stderr),
+                            window_progress=progress_bar)
+    except KeyboardInterrupt:
+        typer.echo("kvq: sweep interrupted; finished cells are saved, rerun the same command to resume", err=True)
+        sys.exit(130)
+    typer.echo(f"{len(outcome.ran)} cells ran, {len(outcome.skipped)} already done -> {outcome.directory}")
+    frame = load(outcome.directory)
+    figures = plot_dppl_vs_bits(frame, outcome.directory / "figures")
+    title, body = sweep_finding(spec, frame, outcome.directory, figures, "kvq " + " ".join(sys.argv[1:]))
+    number = append_finding(results, title, body)
+    typer.echo(f"appended finding {number} to {results}")
+    typer.echo(body)
+
+
+@app.command()
+def plot(
+    path: Path = typer.Argument(..., help="a sweep folder under runs/"),
+    out: Path | None = typer.Option(None, help="figure folder (default <path>/figures)"),
+):
+    """dPPL vs bits/element figures (PNG + PDF) from sweep results."""
+    from kvq.plot import plot_dppl_vs_bits
+    from kvq.results import load
+
+    frame = load(path)
+    if frame.empty:
+        raise KvqError(f"no finished cells under {path}")
+    for figure in plot_dppl_vs_bits(frame, out or Path(path) / "figures"):
+        typer.echo(f"wrote {figure}")
+
+
+@app.command("list")
+def list_names():
+    """Built-in models, quantizers and granularities."""
+    from kvq.models import BUILTINS
+    from kvq.quant import QUANTIZERS
+    from kvq.quant.scalar import GRANULARITIES
+
+    typer.echo("models:")
+    for builtin in BUILTINS.values():
+        typer.echo(f"  {builtin.name:22s} {builtin.description}")
+    typer.echo("quantizers: " + ", ".join(QUANTIZERS.names()))
+    typer.echo("granularities: " + ", ".join(GRANULARITIES))
+
+
+def _quiet_libraries() -> None:
+    """kvq draws its own progress bars; library warnings would break one-line errors."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
+
+
+def main() -> None:
+    _quiet_libraries()
+    try:
+        app(standalone_mode=False)
+    except KvqError as exc:
+        typer.echo(f"kvq: error: {exc}", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        typer.echo("kvq: interrupted", err=True)
+        sys.exit(130)

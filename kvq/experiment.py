@@ -1,0 +1,41 @@
+"""One perplexity measurement: a model, token windows, and a quantizer spec on the KV path."""
+
+from dataclasses import asdict, dataclass
+
+from kvq import models
+from kvq.apply import MODES, QuantizerBank, kv_geometry
+from kvq.data import token_windows
+from kvq.errors import KvqError
+from kvq.ppl import Progress, PplResult, perplexity
+from kvq.quant import QuantSpec
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    corpus: str = "shakespeare"
+    seq_len: int = 256
+    n_windows: int = 8
+    batch_size: int = 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise KvqError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def make_bank(config, spec: QuantSpec) -> QuantizerBank:
+    """Builds (and so validates) the quantizer settings against the model's head_dim."""
+    return QuantizerBank(spec, kv_geometry(config))
+
+
+def eval_windows(lm: models.LoadedModel, data: DataSpec):
+    return token_windows(lm.tokenizer, data.corpus, data.seq_len, data.n_windows, split="eval")
+
+
+def measure(lm: models.LoadedModel, windows, bank: QuantizerBank | None, mode: str, data: DataSpec,
+            progress: Progress | None = None) -> PplResult:
+    return perplexity(lm.model, windows, bank, mode, data.batch_size, progress)

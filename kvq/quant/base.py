@@ -1,0 +1,40 @@
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class Packed:
+    """Base for packed representations: every tensor field is real storage and counts towards bits."""
+
+    def storage_bits(self) -> int:
+        total = 0
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size() * 8
+        return total
+
+
+class Quantizer(ABC):
+    """Quantizes tensors of shape (..., tokens, d) along the last dim.
+
+    `bits_per_element(d, n_tokens)` is the exact storage cost of one encode call over `n_tokens`
+    tokens of width d: payload, scales (in their stored dtype), zero points and outlier side data.
+    Calibration constants shared by all tokens of a layer (lambda, rotations, codebooks) are model
+    parameters, not per-token storage, and are not counted.
+    """
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> Packed: ...
+
+    @abstractmethod
+    def decode(self, packed: Packed) -> torch.Tensor: ...
+
+    @abstractmethod
+    def bits_per_element(self, d: int, n_tokens: int) -> float: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantize-dequantize: what the model sees when this quantizer sits on its KV path."""
+        return self.decode(self.encode(x))

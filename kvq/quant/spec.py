@@ -1,0 +1,56 @@
+"""Typed description of one quantizer configuration, shared by the CLI and sweep YAML."""
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from kvq.errors import KvqError
+
+ROLES = ("k", "v")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What to build at every (layer, K|V) site. `options` holds method-specific knobs (e.g. HQMQ's S)."""
+
+    quantizer: str = "srft"
+    bits: int = 4
+    granularity: str = "per_token"
+    group_size: int = 32
+    symmetric: bool = True
+    scale_dtype: str = "float32"
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def label(self) -> str:
+        parts = [self.quantizer, f"{self.bits}b", self.granularity]
+        if "group" in self.granularity:
+            parts.append(f"g{self.group_size}")
+        if not self.symmetric:
+            parts.append("asym")
+        parts += [f"{key}={value}" for key, value in sorted(self.options.items())]
+        return "-".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place a quantizer sits: a layer's K or V stream of head vectors of width d."""
+
+    layer: int
+    role: str
+    d: int
+    lam: torch.Tensor | None = None
+
+    def seed(self, base_seed: int) -> int:
+        """Distinct, reproducible seed per (seed, layer, role): the rotation changes per layer."""
+        return base_seed * 1_000_003 + self.layer * 2 + ROLES.index(self.role)
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise KvqError(f"role must be 'k' or 'v', got {role!r}")
+    return role

