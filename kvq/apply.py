@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from kvq.errors import KvqError
-from kvq.quant import QuantSpec, Quantizer, Site, build_quantizer
+from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
 
 MODES = ("hook", "cache")
 
@@ -34,13 +34,13 @@ def kv_geometry(model_config) -> KVGeometry:
 
 
 class QuantizerBank:
-    """One quantizer per (layer, K|V) site, built on first use; lambdas come from a calibration."""
+    """One quantizer per (layer, K|V) site, built on first use, with learned pieces from a calibration."""
 
     def __init__(self, spec: QuantSpec, geometry: KVGeometry,
-                 lambdas: dict[tuple[int, str], torch.Tensor] | None = None):
+                 learned: dict[tuple[int, str], Learned] | None = None):
         self.spec = spec
         self.geometry = geometry
-        self.lambdas = lambdas or {}
+        self.learned = learned or {}
         self._built: dict[tuple[int, str], Quantizer] = {}
         # Bad bits or group sizes should fail here, before any model work.
         self.bits_per_element(1)
@@ -48,7 +48,7 @@ class QuantizerBank:
     def get(self, layer: int, role: str) -> Quantizer:
         key = (layer, role)
         if key not in self._built:
-            site = Site(layer, role, self.geometry.head_dim, self.lambdas.get(key))
+            site = Site(layer, role, self.geometry.head_dim, self.learned.get(key))
             self._built[key] = build_quantizer(self.spec, site)
         return self._built[key]
 
@@ -99,9 +99,9 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) 
             if bank is not None:
                 head_dim = bank.geometry.head_dim
                 for attention in attention_modules(model):
-                    layer = attention.layer_idx
-                    handles.append(attention.k_proj.register_forward_hook(_projection_hook(bank.get(layer, "k"), head_dim)))
-                    handles.append(attention.v_proj.register_forward_hook(_projection_hook(bank.get(layer, "v"), head_dim)))
+                    for role, projection in (("k", attention.k_proj), ("v", attention.v_proj)):
+                        hook = _projection_hook(bank.get(attention.layer_idx, role), head_dim)
+                        handles.append(projection.register_forward_hook(hook))
             yield lambda: {"use_cache": False}
         elif bank is None:
             yield lambda: {"use_cache": True, "past_key_values": DynamicCache(config=model.config)}

@@ -48,6 +48,7 @@ def ppl(
     scale_dtype: str = typer.Option("float32"),
     seed: int = typer.Option(0),
     option: list[str] = typer.Option([], help="method-specific key=value, repeatable"),
+    calibration: Path | None = typer.Option(None, help="artifact from `kvq calibrate`"),
     mode: str = typer.Option("hook", help="hook (k_proj/v_proj outputs) or cache (post-RoPE at cache write)"),
     corpus: str = typer.Option("shakespeare", help="shakespeare, a local .txt file/dir, or hf:<dataset>"),
     seq_len: int = typer.Option(256),
@@ -62,10 +63,11 @@ def ppl(
     from kvq.provenance import provenance
     from kvq.quant import QuantSpec
 
-    spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option))
+    spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option),
+                     str(calibration) if calibration else None)
     data = DataSpec(corpus, seq_len, n_windows, batch_size)
     check_mode(mode)
-    bank = make_bank(models.load_config(model), spec)
+    bank = make_bank(model, models.load_config(model), spec)
     lm = models.load(model, device=device)
     windows = eval_windows(lm, data)
     base = measure(lm, windows, None, mode, data, progress_bar("fp baseline"))
@@ -127,6 +129,43 @@ def sweep(
     number = append_finding(results, title, body)
     typer.echo(f"appended finding {number} to {results}")
     typer.echo(body)
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Option("smollm2-135m"),
+    base: str = typer.Option("srft", help="fixed base rotation: srft, srht or identity"),
+    learn: str = typer.Option("householder", help="none, lambda, cayley, householder or closed_form"),
+    bits: int = typer.Option(4),
+    granularity: str = typer.Option("per_token"),
+    group_size: int = typer.Option(32),
+    steps: int = typer.Option(300),
+    lr: float = typer.Option(5e-3),
+    reflectors: int | None = typer.Option(None, help="householder reflectors (default head_dim/2)"),
+    seed: int = typer.Option(0, help="seed of the base rotation's signs"),
+    mode: str = typer.Option("hook"),
+    n_windows: int = typer.Option(8, help="calibration windows (from the held-out calibration split)"),
+    seq_len: int = typer.Option(256),
+    max_vectors: int = typer.Option(1024, help="head vectors kept per (layer, K|V)"),
+    device: str = typer.Option("cpu"),
+    out: Path = typer.Option(..., help="artifact path, e.g. runs/calib/smollm2-householder.pt"),
+):
+    """Learn per-site lambda and rotations on captured K/V; save an artifact sweeps can use."""
+    from kvq.calibrate import CalibrationConfig, run_calibration
+    from kvq.experiment import check_mode
+    from kvq.quant.scalar import ScalarQuantizer
+
+    check_mode(mode)
+    ScalarQuantizer(bits, granularity, group_size)
+    cfg = CalibrationConfig(model, base, learn, bits, granularity, group_size, steps, lr, reflectors, seed, mode,
+                            n_windows, seq_len, max_vectors)
+    meta = run_calibration(cfg, out, device, window_progress=progress_bar("capture"),
+                           step_progress=lambda steps: tqdm(steps, desc=f"{learn} steps", file=sys.stderr))
+    before, after = sum(meta["mse_before"].values()), sum(meta["mse_after"].values())
+    typer.echo(f"{len(meta['mse_before'])} sites, {meta['parameters_per_site']} parameters per site")
+    typer.echo(f"reconstruction MSE (summed over sites) {before:.6g} -> {after:.6g} "
+               f"({100 * (1 - after / before):.1f}% reduction)")
+    typer.echo(f"took {meta['seconds']} s; wrote {out}")
 
 
 @app.command()

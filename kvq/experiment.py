@@ -4,9 +4,10 @@ from dataclasses import asdict, dataclass
 
 from kvq import models
 from kvq.apply import MODES, QuantizerBank, kv_geometry
+from kvq.calibrate import load_learned
 from kvq.data import token_windows
 from kvq.errors import KvqError
-from kvq.ppl import Progress, PplResult, perplexity
+from kvq.ppl import PplResult, Progress, perplexity
 from kvq.quant import QuantSpec
 
 
@@ -27,9 +28,11 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def make_bank(config, spec: QuantSpec) -> QuantizerBank:
+def make_bank(model_name: str, config, spec: QuantSpec) -> QuantizerBank:
     """Builds (and so validates) the quantizer settings against the model's head_dim."""
-    return QuantizerBank(spec, kv_geometry(config))
+    geometry = kv_geometry(config)
+    learned = load_learned(spec.calibration, model_name, geometry, spec) if spec.calibration else None
+    return QuantizerBank(spec, geometry, learned)
 
 
 def eval_windows(lm: models.LoadedModel, data: DataSpec):

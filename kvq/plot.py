@@ -5,12 +5,13 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
-from kvq.results import summarize  # noqa: E402
+from kvq.results import summarize
 
-LOG_FLOOR = 1e-3  # dPPL <= 0 (lossless within noise) is drawn at this floor on the log axis
+LOG_FLOOR = 1e-3
+MARKERS = "osD^vP*X"  # dPPL <= 0 (lossless within noise) is drawn at this floor on the log axis
 
 
 def pareto_front(points: pd.DataFrame) -> pd.DataFrame:
@@ -29,15 +30,19 @@ def plot_dppl_vs_bits(frame: pd.DataFrame, out_dir: Path, stem: str = "dppl_vs_b
     summary["y"] = summary.dppl_mean.clip(lower=LOG_FLOOR)
     model_names = list(dict.fromkeys(summary.model))
     fig, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], model_names):
+    for ax, model in zip(axes[0], model_names, strict=True):
         panel = summary[summary.model == model]
+        # Colour tells the granularity, marker the quantizer: series stay apart past ten of them.
+        colours = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(panel.granularity))}
+        markers = {q: MARKERS[i % len(MARKERS)] for i, q in enumerate(dict.fromkeys(panel.quantizer))}
         for series, points in panel.groupby("series", sort=False):
             points = points.sort_values("bits_per_element")
-            ax.errorbar(points.bits_per_element, points.y, yerr=points.dppl_std, marker="o", capsize=3,
-                        label=series)
+            first = points.iloc[0]
+            ax.errorbar(points.bits_per_element, points.y, yerr=points.dppl_std, capsize=3, label=series,
+                        color=colours[first.granularity], marker=markers[first.quantizer], ms=7, alpha=0.85)
         front = pareto_front(panel)
-        ax.plot(front.bits_per_element, front.dppl_mean.clip(lower=LOG_FLOOR), "k--", lw=1, alpha=0.6,
-                label="Pareto frontier")
+        ax.plot(front.bits_per_element, front.dppl_mean.clip(lower=LOG_FLOOR), "k--", lw=1, marker="s",
+                mfc="none", ms=13, alpha=0.6, label="Pareto frontier")
         ax.set_yscale("log")
         ax.set_xlabel("bits / element (scales included)")
         ax.set_ylabel("dPPL vs fp (log)")

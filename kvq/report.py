@@ -15,11 +15,16 @@ def sweep_finding(spec: SweepSpec, frame: pd.DataFrame, directory: Path, figures
     summary = summarize(frame).sort_values(["model", "bits_per_element", "dppl_mean"])
     git = git_state()
     commits = sorted(set(frame.commit.dropna()))
+    header = ["model", "quantizer", "bits/elem", "fp PPL", "dPPL mean ± std", "seeds"]
     rows = [
         [r.model, r.label, f"{r.bits_per_element:.4f}", f"{r.fp_ppl:.3f}", f"{r.dppl_mean:+.4f} ± {r.dppl_std:.4f}",
          str(r.seeds)]
         for r in summary.itertuples()
     ]
+    if summary.calibration_mse_reduction.notna().any():
+        header.append("calibration MSE reduction")
+        for row, reduction in zip(rows, summary.calibration_mse_reduction, strict=True):
+            row.append("-" if pd.isna(reduction) else f"{100 * reduction:.1f}%")
     data = spec.data
     body = "\n".join([
         f"Command: `{command}`",
@@ -28,7 +33,7 @@ def sweep_finding(spec: SweepSpec, frame: pd.DataFrame, directory: Path, figures
         f"Spec: `{spec.source}`; mode `{spec.mode}`; data {data.corpus}, {data.n_windows} x {data.seq_len} tokens"
         " (eval split).",
         "",
-        markdown_table(["model", "quantizer", "bits/elem", "fp PPL", "dPPL mean ± std", "seeds"], rows),
+        markdown_table(header, rows),
         "",
         f"JSON: `{directory}/` ({len(frame)} cells)",
         "Figure: " + ", ".join(f"`{p}`" for p in figures),

@@ -8,7 +8,7 @@ from kvq.quant import QuantSpec
 from kvq.store import read_json
 from kvq.sweep import CELL_FORMAT
 
-SERIES_KEYS = ["model", "mode", "series", "label"]
+SERIES_KEYS = ["model", "mode", "quantizer", "granularity", "series", "label"]
 
 
 def _row(record: dict, path: Path) -> dict:
@@ -29,6 +29,7 @@ def _row(record: dict, path: Path) -> dict:
         "fp_ppl": record["metrics"]["fp_ppl"],
         "ppl": record["metrics"]["ppl"],
         "dppl": record["metrics"]["dppl"],
+        "calibration_mse_reduction": (record.get("calibration") or {}).get("mse_reduction"),
         "commit": record["git"]["commit"],
         "dirty": record["git"]["dirty"],
         "path": str(path),
@@ -56,5 +57,6 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         dppl_mean=("dppl", "mean"),
         dppl_std=("dppl", lambda s: float(s.std(ddof=0))),
         seeds=("seed", "nunique"),
+        calibration_mse_reduction=("calibration_mse_reduction", "first"),
     )
     return summary.reset_index()

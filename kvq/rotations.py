@@ -137,3 +137,33 @@ class SRFT(_SignedRotation):
 
 def build_rotation(name: str, d: int, seed: int) -> Rotation:
     return ROTATIONS.get(name)(d, seed)
+
+
+class MatrixRotation(Rotation):
+    """A given orthogonal matrix R (e.g. learned by calibration): forward(x) = x @ R^T."""
+
+    def __init__(self, matrix: torch.Tensor):
+        super().__init__(matrix.shape[0])
+        self.r = matrix.float()
+
+    def forward(self, x):
+        self._check(x)
+        return x @ self.r.to(device=x.device, dtype=x.dtype).T
+
+    def inverse(self, y):
+        self._check(y)
+        return y @ self.r.to(device=y.device, dtype=y.dtype)
+
+
+class Composed(Rotation):
+    """first, then second; the inverse undoes them in reverse order."""
+
+    def __init__(self, first: Rotation, second: Rotation):
+        super().__init__(first.d, first.seed)
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        return self.second.forward(self.first.forward(x))
+
+    def inverse(self, y):
+        return self.first.inverse(self.second.inverse(y))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvq import models
+from kvq.calibrate import calibration_summary
 from kvq.experiment import eval_windows, make_bank, measure
 from kvq.ppl import Progress
 from kvq.provenance import provenance
@@ -44,7 +45,7 @@ def validate_cells(cells: list[Cell]) -> None:
     for cell in cells:
         if cell.model not in configs:
             configs[cell.model] = models.load_config(cell.model)
-        make_bank(configs[cell.model], cell.quant)
+        make_bank(cell.model, configs[cell.model], cell.quant)
 
 
 def _baseline(directory: Path, lm, windows, cell: Cell, progress: Progress | None) -> dict:
@@ -76,7 +77,7 @@ def run_sweep(spec: SweepSpec, runs_dir: Path, force: bool = False, device: str 
         lm, windows = loaded[cell.model]
         started = time.time()
         fp = _baseline(directory, lm, windows, cell, window_progress and window_progress("fp baseline"))
-        bank = make_bank(lm.model.config, cell.quant)
+        bank = make_bank(cell.model, lm.model.config, cell.quant)
         quantized = measure(lm, windows, bank, cell.mode, cell.data,
                             window_progress and window_progress(cell.quant.label()))
         record = {
@@ -93,6 +94,7 @@ def run_sweep(spec: SweepSpec, runs_dir: Path, force: bool = False, device: str 
                 "tokens": quantized.tokens,
             },
             "bits_per_element": bank.bits_per_element(cell.data.seq_len),
+            "calibration": calibration_summary(cell.quant.calibration) if cell.quant.calibration else None,
             "wall_time_s": round(time.time() - started, 3),
             **provenance(device),
         }

@@ -3,7 +3,7 @@
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,8 @@ from kvq.quant.scalar import GRANULARITIES, SCALE_DTYPES
 from kvq.yamlspec import LocatedMapping, load_located
 
 METRICS = ("ppl",)
-GRID_FIELDS = ("quantizer", "bits", "granularity", "group_size", "symmetric", "scale_dtype", "options")
+GRID_FIELDS = ("quantizer", "bits", "granularity", "group_size", "symmetric", "scale_dtype", "options",
+               "calibration")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Grid:
     symmetric: list[bool] = field(default_factory=lambda: [True])
     scale_dtype: list[str] = field(default_factory=lambda: ["float32"])
     options: list[dict] = field(default_factory=lambda: [{}])
+    calibration: list[str | None] = field(default_factory=lambda: [None])
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class SweepSpec:
     name: str
     models: list[str]
     grids: list[Grid]
-    data: DataSpec = DataSpec()
+    data: DataSpec = field(default_factory=DataSpec)
     mode: str = "hook"
     seeds: list[int] = field(default_factory=lambda: [0])
     metrics: list[str] = field(default_factory=lambda: ["ppl"])
@@ -53,7 +55,12 @@ class Cell:
 
     @property
     def id(self) -> str:
-        blob = json.dumps(self.config(), sort_keys=True).encode()
+        """Hash of the config with default-valued quantizer fields left out, so adding a field with a
+        default later keeps the ids (and the finished results) of existing cells."""
+        defaults = QuantSpec().to_dict()
+        config = self.config()
+        config["quant"] = {k: v for k, v in config["quant"].items() if k == "quantizer" or v != defaults[k]}
+        blob = json.dumps(config, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -95,7 +102,7 @@ class _Fields:
             self.fail(key, "must not be empty")
         for item in value:
             if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
-                self.fail(key, f"expected {kind.__name__} items, got {item!r}")
+                self.fail(key, f"expected {getattr(kind, '__name__', 'str or null')} items, got {item!r}")
         return value
 
     def nested(self, key: str) -> "_Fields":
@@ -122,6 +129,7 @@ def _grid(fields_: _Fields) -> Grid:
         symmetric=fields_.get_list("symmetric", bool, defaults.symmetric),
         scale_dtype=fields_.get_list("scale_dtype", str, defaults.scale_dtype),
         options=[dict(o) for o in fields_.get_list("options", dict, defaults.options)],
+        calibration=fields_.get_list("calibration", (str, type(None)), defaults.calibration),
     )
     _check_members(fields_, "quantizer", grid.quantizer, QUANTIZERS.names())
     _check_members(fields_, "granularity", grid.granularity, GRANULARITIES)
@@ -189,12 +197,12 @@ def expand(spec: SweepSpec) -> list[Cell]:
     for model in spec.models:
         for grid in spec.grids:
             combos = itertools.product(*(getattr(grid, f) for f in GRID_FIELDS))
-            for quantizer, bits, granularity, group_size, symmetric, scale_dtype, options in combos:
-                seeds = spec.seeds if is_seeded(quantizer) else spec.seeds[:1]
+            for quantizer, bits, granularity, group_size, symmetric, scale_dtype, options, calibration in combos:
                 if "group" not in granularity:
                     group_size = Grid(quantizer=[]).group_size[0]  # unused: keep ids stable
-                for seed in seeds:
-                    quant = QuantSpec(quantizer, bits, granularity, group_size, symmetric, scale_dtype, seed, options)
-                    cell = Cell(model, spec.mode, spec.data, quant)
+                first = QuantSpec(quantizer, bits, granularity, group_size, symmetric, scale_dtype, spec.seeds[0],
+                                  options, calibration)
+                for seed in spec.seeds if is_seeded(first) else spec.seeds[:1]:
+                    cell = Cell(model, spec.mode, spec.data, replace(first, seed=seed))
                     cells.setdefault(cell.id, cell)
     return list(cells.values())

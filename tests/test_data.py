@@ -1,9 +1,8 @@
 import pytest
+from conftest import loaded, requires_models
 
 from kvq.data import split_documents, token_windows
 from kvq.errors import KvqError
-
-from conftest import loaded, requires_models
 
 
 def test_split_is_disjoint_and_fixed():

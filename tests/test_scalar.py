@@ -57,7 +57,7 @@ def test_bits_per_element_hand_computed(bits, granularity, symmetric, scale_dtyp
 def test_mse_decreases_with_bits(name):
     x = heavy_tailed(4, 32, 64)
     mse = [((build_quantizer(QuantSpec(name, b), Site(0, "k", 64))(x) - x) ** 2).mean() for b in (2, 3, 4, 6, 8)]
-    assert all(a > b for a, b in zip(mse, mse[1:]))
+    assert all(a > b for a, b in itertools.pairwise(mse))
 
 
 def test_rotation_lowers_error_on_outlier_channel_per_token():

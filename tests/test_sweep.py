@@ -7,13 +7,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import requires_models, run_kvq
 
 from kvq.errors import KvqError
 from kvq.ledger import append_finding, next_number
 from kvq.results import load, summarize
 from kvq.sweep_spec import expand, load_sweep
-
-from conftest import requires_models, run_kvq
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
-from kvq.quant.spec import QuantSpec, Site
+from kvq.quant.spec import Learned, QuantSpec, Site
 from kvq.registry import Registry
-from kvq.rotations import ROTATIONS, build_rotation
+from kvq.rotations import ROTATIONS, Composed, MatrixRotation, build_rotation
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,11 @@ def scalar_from_spec(spec: QuantSpec) -> ScalarQuantizer:
 
 def _rotated_scalar(rotation_name: str) -> QuantizerEntry:
     def build(spec: QuantSpec, site: Site) -> Quantizer:
-        rotation = build_rotation(rotation_name, site.d, site.seed(spec.seed))
-        return RotatedQuantizer(rotation, scalar_from_spec(spec), site.lam)
+        learned = site.learned
+        rotation = build_rotation(rotation_name, site.d, site.seed(learned.seed if learned else spec.seed))
+        if learned and learned.rotation is not None:
+            rotation = Composed(rotation, MatrixRotation(learned.rotation))
+        return RotatedQuantizer(rotation, scalar_from_spec(spec), learned.lam if learned else None)
 
     return QuantizerEntry(build, seeded=rotation_name != "identity")
 
@@ -41,8 +44,12 @@ def build_quantizer(spec: QuantSpec, site: Site) -> Quantizer:
     return QUANTIZERS.get(spec.quantizer).build(spec, site)
 
 
-def is_seeded(name: str) -> bool:
-    return QUANTIZERS.get(name).seeded
+def is_seeded(spec: QuantSpec) -> bool:
+    """Whether the seed changes this quantizer; a calibration artifact fixes the seed it was made with."""
+    return QUANTIZERS.get(spec.quantizer).seeded and not spec.calibration
 
 
-__all__ = ["QUANTIZERS", "Packed", "QuantSpec", "Quantizer", "Site", "build_quantizer", "is_seeded", "scalar_from_spec"]
+__all__ = [
+    "QUANTIZERS", "Learned", "Packed", "QuantSpec", "Quantizer", "QuantizerEntry", "Site", "build_quantizer",
+    "is_seeded", "scalar_from_spec",
+]

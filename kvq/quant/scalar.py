@@ -30,6 +30,10 @@ class ScalarPacked(Packed):
     dtype: torch.dtype
 
 
+def round_straight_through(x: torch.Tensor) -> torch.Tensor:
+    return x + (torch.round(x) - x).detach()
+
+
 class ScalarQuantizer(Quantizer):
     def __init__(
         self,
@@ -74,11 +78,14 @@ class ScalarQuantizer(Quantizer):
         """Round-trip through the storage dtype so encode uses exactly what decode will see."""
         return t.to(self.scale_dtype)
 
-    def encode(self, x: torch.Tensor) -> ScalarPacked:
+    def _quantize(self, x: torch.Tensor, round_fn) -> tuple:
+        """Codes (float, viewed as (..., T, groups, width)) and the stats that decode needs.
+
+        Shared by encode (round_fn = torch.round) and fake_quant (a straight-through round).
+        """
         if x.dim() < 2:
             raise KvqError(f"expected (..., tokens, d), got shape {tuple(x.shape)}")
-        d = x.shape[-1]
-        groups, width = self._grouping(d)
+        groups, width = self._grouping(x.shape[-1])
         xf = x.float()
         channel_scale = None
         if self.granularity == "per_channel_group":
@@ -90,16 +97,28 @@ class ScalarQuantizer(Quantizer):
         if self.symmetric:
             amax = xg.abs().amax(dim=dims, keepdim=True)
             scale = self._stored(torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax)))
-            codes = torch.round(xg / scale.float()).clamp_(-self.qmax, self.qmax)
+            codes = round_fn(xg / scale.float()).clamp(-self.qmax, self.qmax)
             offset = None
         else:
             lo = xg.amin(dim=dims, keepdim=True)
             span = xg.amax(dim=dims, keepdim=True) - lo
             offset = self._stored(lo)
             scale = self._stored(torch.where(span > 0, span / self.qmax, torch.ones_like(span)))
-            codes = torch.round((xg - offset.float()) / scale.float()).clamp_(0, self.qmax)
+            codes = round_fn((xg - offset.float()) / scale.float()).clamp(0, self.qmax)
+        return codes, scale, offset, channel_scale
+
+    @staticmethod
+    def _dequantize(codes, scale, offset, channel_scale, shape) -> torch.Tensor:
+        xg = codes * scale.float()
+        if offset is not None:
+            xg = xg + offset.float()
+        x = xg.reshape(shape)
+        return x * channel_scale.float() if channel_scale is not None else x
+
+    def encode(self, x: torch.Tensor) -> ScalarPacked:
+        codes, scale, offset, channel_scale = self._quantize(x, torch.round)
         return ScalarPacked(
-            codes=pack(codes.reshape(xf.shape).to(torch.int16), self.bits),
+            codes=pack(codes.reshape(x.shape).to(torch.int16), self.bits),
             scale=scale,
             offset=offset,
             channel_scale=channel_scale,
@@ -111,16 +130,18 @@ class ScalarQuantizer(Quantizer):
         d = packed.shape[-1]
         groups, width = self._grouping(d)
         codes = unpack(packed.codes, self.bits, d, signed=self.symmetric).float()
-        xg = codes.reshape(*packed.shape[:-1], groups, width) * packed.scale.float()
-        if packed.offset is not None:
-            xg = xg + packed.offset.float()
-        x = xg.reshape(packed.shape)
-        if packed.channel_scale is not None:
-            x = x * packed.channel_scale.float()
+        codes = codes.reshape(*packed.shape[:-1], groups, width)
+        x = self._dequantize(codes, packed.scale, packed.offset, packed.channel_scale, packed.shape)
         return x.to(packed.dtype)
 
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """Differentiable quantize-dequantize: rounding passes gradients straight through, scales
+        stay differentiable (what calibration trains through)."""
+        codes, scale, offset, channel_scale = self._quantize(x, round_straight_through)
+        return self._dequantize(codes, scale, offset, channel_scale, x.shape)
+
     def bits_per_element(self, d: int, n_tokens: int) -> float:
-        groups, width = self._grouping(d)
+        _, width = self._grouping(d)
         scale_bits = torch.finfo(self.scale_dtype).bits
         stats_per_scale = 1 if self.symmetric else 2
         payload = packed_row_bytes(d, self.bits) * 8 / d

@@ -1,6 +1,7 @@
 """Typed description of one quantizer configuration, shared by the CLI and sweep YAML."""
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ class QuantSpec:
     scale_dtype: str = "float32"
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    calibration: str | None = None  # path of a `kvq calibrate` artifact
 
     def label(self) -> str:
         parts = [self.quantizer, f"{self.bits}b", self.granularity]
@@ -30,10 +32,21 @@ class QuantSpec:
         if not self.symmetric:
             parts.append("asym")
         parts += [f"{key}={value}" for key, value in sorted(self.options.items())]
+        if self.calibration:
+            parts.append(f"cal={Path(self.calibration).stem}")
         return "-".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What a calibration artifact gives one site: base-rotation seed, learned R and lambda."""
+
+    seed: int
+    rotation: torch.Tensor | None = None
+    lam: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,7 @@ class Site:
     layer: int
     role: str
     d: int
-    lam: torch.Tensor | None = None
+    learned: Learned | None = None
 
     def seed(self, base_seed: int) -> int:
         """Distinct, reproducible seed per (seed, layer, role): the rotation changes per layer."""

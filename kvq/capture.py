@@ -1,0 +1,44 @@
+"""Collecting K/V head vectors at the quantization point of a mode (for calibration)."""
+
+import torch
+
+from kvq.apply import KVGeometry, kv_geometry, quantized_kv
+
+
+class _Recorder:
+    def __init__(self, store: list):
+        self.store = store
+
+    def __call__(self, heads: torch.Tensor) -> torch.Tensor:
+        self.store.append(heads.detach().reshape(-1, heads.shape[-1]).float().cpu())
+        return heads
+
+
+class RecordingBank:
+    """Stands where a QuantizerBank would and passes K/V through unchanged while keeping a copy."""
+
+    def __init__(self, geometry: KVGeometry):
+        self.geometry = geometry
+        self.records: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def get(self, layer: int, role: str) -> _Recorder:
+        return _Recorder(self.records.setdefault((layer, role), []))
+
+
+@torch.no_grad()
+def capture_kv(model, windows: torch.Tensor, mode: str, max_vectors: int, seed: int = 0,
+               batch_size: int = 2, progress=None) -> dict[tuple[int, str], torch.Tensor]:
+    """(layer, role) -> (n, head_dim) vectors, a seeded subsample of at most `max_vectors` per site."""
+    bank = RecordingBank(kv_geometry(model.config))
+    device = next(model.parameters()).device
+    with quantized_kv(model, bank, mode) as forward_kwargs:
+        for batch in (progress or iter)(list(windows.split(batch_size))):
+            model(input_ids=batch.to(device), **forward_kwargs())
+    generator = torch.Generator().manual_seed(seed)
+    captured = {}
+    for key, chunks in sorted(bank.records.items()):
+        vectors = torch.cat(chunks)
+        if vectors.shape[0] > max_vectors:
+            vectors = vectors[torch.randperm(vectors.shape[0], generator=generator)[:max_vectors]]
+        captured[key] = vectors
+    return captured
