@@ -53,7 +53,14 @@ class QuantizerBank:
         return self._built[key]
 
     def bits_per_element(self, n_tokens: int) -> float:
+        """The quantizer's stated cost for one encode call of n_tokens tokens."""
         return self.get(0, "k").bits_per_element(self.geometry.head_dim, n_tokens)
+
+    def measured_bits_per_element(self) -> float | None:
+        """Storage actually produced by every call so far, over all sites; None before any call."""
+        bits = sum(q.stored_bits for q in self._built.values())
+        elements = sum(q.stored_elements for q in self._built.values())
+        return bits / elements if elements else None
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -72,7 +72,7 @@ def ppl(
     windows = eval_windows(lm, data)
     base = measure(lm, windows, None, mode, data, progress_bar("fp baseline"))
     quantized = measure(lm, windows, bank, mode, data, progress_bar(spec.label()))
-    bits_per_element = bank.bits_per_element(seq_len)
+    bits_per_element = bank.measured_bits_per_element()
     typer.echo(f"model {model}  mode {mode}  quantizer {spec.label()}  windows {n_windows}x{seq_len}")
     typer.echo(f"fp PPL         {base.ppl:.4f}")
     typer.echo(f"quantized PPL  {quantized.ppl:.4f}")

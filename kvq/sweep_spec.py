@@ -10,7 +10,7 @@ from typing import Any
 from kvq.apply import MODES
 from kvq.errors import KvqError
 from kvq.experiment import DataSpec
-from kvq.quant import QUANTIZERS, QuantSpec, is_seeded
+from kvq.quant import QUANTIZERS, QuantSpec, is_seeded, uses_scalar_fields
 from kvq.quant.scalar import GRANULARITIES, SCALE_DTYPES
 from kvq.yamlspec import LocatedMapping, load_located
 
@@ -191,6 +191,17 @@ def load_sweep(path: str | Path) -> SweepSpec:
     return spec
 
 
+def _without_unused_fields(quant: QuantSpec) -> QuantSpec:
+    """Fields a quantizer ignores go back to defaults, so they neither change ids nor duplicate cells."""
+    defaults = QuantSpec()
+    if not uses_scalar_fields(quant.quantizer):
+        return replace(quant, bits=defaults.bits, granularity=defaults.granularity, group_size=defaults.group_size,
+                       symmetric=defaults.symmetric, scale_dtype=defaults.scale_dtype)
+    if "group" not in quant.granularity:
+        return replace(quant, group_size=defaults.group_size)
+    return quant
+
+
 def expand(spec: SweepSpec) -> list[Cell]:
     """Grid x models x seeds, in YAML order; unseeded quantizers get one cell instead of one per seed."""
     cells: dict[str, Cell] = {}
@@ -198,10 +209,9 @@ def expand(spec: SweepSpec) -> list[Cell]:
         for grid in spec.grids:
             combos = itertools.product(*(getattr(grid, f) for f in GRID_FIELDS))
             for quantizer, bits, granularity, group_size, symmetric, scale_dtype, options, calibration in combos:
-                if "group" not in granularity:
-                    group_size = Grid(quantizer=[]).group_size[0]  # unused: keep ids stable
                 first = QuantSpec(quantizer, bits, granularity, group_size, symmetric, scale_dtype, spec.seeds[0],
                                   options, calibration)
+                first = _without_unused_fields(first)
                 for seed in spec.seeds if is_seeded(first) else spec.seeds[:1]:
                     cell = Cell(model, spec.mode, spec.data, replace(first, seed=seed))
                     cells.setdefault(cell.id, cell)

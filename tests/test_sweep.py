@@ -102,6 +102,7 @@ def test_sweep_killed_and_resumed_loses_and_duplicates_nothing(tmp_path):
     record = json.loads(next(cell_dir.glob("*.json")).read_text())
     assert record["git"]["commit"] == git_head()
     assert record["metrics"]["dppl"] == pytest.approx(record["metrics"]["ppl"] - record["metrics"]["fp_ppl"])
+    assert record["bits_per_element"] == pytest.approx(record["stated_bits_per_element"], rel=1e-12)
     assert "## 1. smoke" in ledger.read_text()
     assert (cell_dir / "figures" / "dppl_vs_bits.png").stat().st_size > 0
 

@@ -3,7 +3,12 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
+from kvq.quant.hqmq import HQMQ
+from kvq.quant.kivi import KIVI
+from kvq.quant.qjl import QJLKeys
+from kvq.quant.turbo import TurboQuant
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.quant.spec import Learned, QuantSpec, Site
@@ -15,6 +20,7 @@ from kvq.rotations import ROTATIONS, Composed, MatrixRotation, build_rotation
 class QuantizerEntry:
     build: Callable[[QuantSpec, Site], Quantizer]
     seeded: bool  # False: the seed changes nothing, so a sweep runs one seed only
+    scalar_fields: bool = True  # False: bits/granularity/... unused; the knobs are spec.options
 
 
 QUANTIZERS: Registry[QuantizerEntry] = Registry("quantizer")
@@ -40,6 +46,60 @@ for _name in ROTATIONS.names():
     QUANTIZERS.register(_name)(_rotated_scalar(_name))
 
 
+def options_of(spec: QuantSpec, allowed: dict[str, type]) -> dict:
+    """spec.options checked against a method's knobs, so a typo is an error rather than a default."""
+    for key, value in spec.options.items():
+        if key not in allowed:
+            raise KvqError(f"{spec.quantizer} has no option {key!r}; options: {', '.join(allowed)}")
+        kinds = allowed[key] if isinstance(allowed[key], tuple) else (allowed[key],)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise KvqError(f"{spec.quantizer} option {key!r} must be {names}, got {value!r}")
+    return dict(spec.options)
+
+
+def uses_scalar_fields(name: str) -> bool:
+    return QUANTIZERS.get(name).scalar_fields
+
+
+def _hqmq(spec: QuantSpec, site: Site) -> Quantizer:
+    options = options_of(spec, {"S": int, "r": int, "outlier_c": (int, float), "index_bits": str})
+    return HQMQ(options.get("S", 24), options.get("r", 4), options.get("outlier_c"), site.seed(spec.seed),
+                options.get("index_bits", "fractional"))
+
+
+QUANTIZERS.register("hqmq")(QuantizerEntry(_hqmq, seeded=True, scalar_fields=False))
+
+
+def _kivi(spec: QuantSpec, site: Site) -> Quantizer:
+    options = options_of(spec, {"residual": int})
+    return KIVI(site.role, spec.bits, spec.group_size, options.get("residual", 128))
+
+
+QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False))
+
+
+def _turbo(spec: QuantSpec, site: Site) -> Quantizer:
+    options = options_of(spec, {"rotation": str, "qjl_residual": bool})
+    seed = site.seed(spec.seed)
+    rotation = build_rotation(options.get("rotation", "srft"), site.d, seed)
+    return TurboQuant(rotation, spec.bits, options.get("qjl_residual", False), seed)
+
+
+QUANTIZERS.register("turbo")(QuantizerEntry(_turbo, seeded=True))
+
+
+def _qjl(spec: QuantSpec, site: Site) -> Quantizer:
+    """Keys: QJL sketch with m = options.m rows (default 2 d); values: the spec's scalar quantizer."""
+    options = options_of(spec, {"m": int})
+    if site.role == "k":
+        return QJLKeys(site.d, options.get("m", 2 * site.d), site.seed(spec.seed))
+    return scalar_from_spec(spec)
+
+
+QUANTIZERS.register("qjl")(QuantizerEntry(_qjl, seeded=True))
+
+
 def build_quantizer(spec: QuantSpec, site: Site) -> Quantizer:
     return QUANTIZERS.get(spec.quantizer).build(spec, site)
 
@@ -51,5 +111,5 @@ def is_seeded(spec: QuantSpec) -> bool:
 
 __all__ = [
     "QUANTIZERS", "Learned", "Packed", "QuantSpec", "Quantizer", "QuantizerEntry", "Site", "build_quantizer",
-    "is_seeded", "scalar_from_spec",
+    "is_seeded", "options_of", "scalar_from_spec", "uses_scalar_fields",
 ]

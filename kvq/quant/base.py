@@ -35,6 +35,15 @@ class Quantizer(ABC):
     @abstractmethod
     def bits_per_element(self, d: int, n_tokens: int) -> float: ...
 
+    stored_bits = 0
+    stored_elements = 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantize-dequantize: what the model sees when this quantizer sits on its KV path."""
-        return self.decode(self.encode(x))
+        """Quantize-dequantize: what the model sees when this quantizer sits on its KV path.
+
+        Also meters the storage, so data-dependent costs (outliers, residual windows) are reported
+        as measured rather than assumed."""
+        packed = self.encode(x)
+        self.stored_bits += packed.storage_bits()
+        self.stored_elements += x.numel()
+        return self.decode(packed)

@@ -26,11 +26,15 @@ class QuantSpec:
     calibration: str | None = None  # path of a `kvq calibrate` artifact
 
     def label(self) -> str:
-        parts = [self.quantizer, f"{self.bits}b", self.granularity]
-        if "group" in self.granularity:
-            parts.append(f"g{self.group_size}")
-        if not self.symmetric:
-            parts.append("asym")
+        from kvq.quant import uses_scalar_fields  # the registry imports this module
+
+        parts = [self.quantizer]
+        if uses_scalar_fields(self.quantizer):
+            parts += [f"{self.bits}b", self.granularity]
+            if "group" in self.granularity:
+                parts.append(f"g{self.group_size}")
+            if not self.symmetric:
+                parts.append("asym")
         parts += [f"{key}={value}" for key, value in sorted(self.options.items())]
         if self.calibration:
             parts.append(f"cal={Path(self.calibration).stem}")

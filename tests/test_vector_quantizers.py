@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from kvq.quant import QuantSpec, Site, build_quantizer
+from kvq.quant.qjl import QJLKeys
+from kvq.quant.turbo import lloyd_max_gaussian
+
+
+def quantizer(name, bits=4, role="k", d=64, **options):
+    return build_quantizer(QuantSpec(name, bits, options=options), Site(0, role, d))
+
+
+def test_qjl_inner_product_estimate_is_unbiased():
+    d = 32
+    q, k = torch.randn(d), torch.randn(d)
+    estimates = torch.stack([
+        QJLKeys(d, sketch_rows=16, seed=seed)(k.view(1, 1, d)).view(d) @ q for seed in range(3000)
+    ])
+    exact = float(q @ k)
+    standard_error = float(estimates.std()) / len(estimates) ** 0.5
+    assert abs(float(estimates.mean()) - exact) < 4 * standard_error
+    assert float(estimates.std()) > 0.05 * abs(exact)  # it is an estimate, not a copy
+
+
+def test_qjl_bits():
+    q = quantizer("qjl", d=64, m=128)
+    x = torch.randn(1, 2, 8, 64)
+    assert q.bits_per_element(64, 8) == (128 + 16) / 64
+    assert q.encode(x).storage_bits() / x.numel() == pytest.approx(q.bits_per_element(64, 8))
+
+
+def test_lloyd_max_known_levels():
+    assert torch.allclose(lloyd_max_gaussian(1), torch.tensor([-0.7979, 0.7979]), atol=1e-3)
+    assert torch.allclose(lloyd_max_gaussian(2), torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104]), atol=1e-3)
+
+
+@pytest.mark.parametrize("name,options", [("turbo", {}), ("turbo", {"qjl_residual": True}), ("kivi", {"residual": 8})])
+@pytest.mark.parametrize("role", ["k", "v"])
+def test_mse_decreases_with_bits_and_bits_are_exact(name, options, role):
+    x = torch.randn(2, 2, 72, 64)
+    x[..., 5] += 6
+    errors = []
+    for bits in (2, 3, 4, 6):
+        q = quantizer(name, bits, role, **options)
+        packed = q.encode(x)
+        errors.append(float(((q.decode(packed) - x) ** 2).mean()))
+        assert packed.storage_bits() / x.numel() == pytest.approx(q.bits_per_element(64, 72))
+    assert errors == sorted(errors, reverse=True)
+
+
+def test_kivi_keeps_recent_tokens_in_fp16_and_groups_keys_by_tokens():
+    q = quantizer("kivi", 2, "k", residual=10)
+    x = torch.randn(1, 2, 75, 64)
+    y = q(x)
+    quantized = q.quantized_tokens(75)
+    assert quantized == 64  # (75 - 10) rounded down to whole 32-token groups
+    assert torch.equal(y[..., quantized:, :], x[..., quantized:, :].half().float())
+    assert not torch.equal(y[..., :quantized, :], x[..., :quantized, :])
+    packed = q.encode(x)
+    # (batch, heads, token groups, 1, channels, 1): one scale per channel per 32-token group
+    assert packed.quantized.scale.shape == (1, 2, 2, 1, 64, 1)
