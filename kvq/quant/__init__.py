@@ -8,10 +8,10 @@ from kvq.quant.base import Packed, Quantizer
 from kvq.quant.hqmq import HQMQ
 from kvq.quant.kivi import KIVI
 from kvq.quant.qjl import QJLKeys
-from kvq.quant.turbo import TurboQuant
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.quant.spec import Learned, QuantSpec, Site
+from kvq.quant.turbo import TurboQuant
 from kvq.registry import Registry
 from kvq.rotations import ROTATIONS, Composed, MatrixRotation, build_rotation
 
