@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvq.attention import SCORE_ATTENTION, uses_score_path
 from kvq.errors import KvqError
 from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
 
@@ -87,7 +88,11 @@ class QuantizedWriteCache(DynamicCache):
         self.bank = bank
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        key_states = self.bank.get(layer_idx, "k")(key_states).to(key_states.dtype)
+        key_quantizer = self.bank.get(layer_idx, "k")
+        if uses_score_path(key_quantizer):
+            key_states = key_quantizer.attention_keys(key_states)
+        else:
+            key_states = key_quantizer(key_states).to(key_states.dtype)
         value_states = self.bank.get(layer_idx, "v")(value_states).to(value_states.dtype)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -101,6 +106,7 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) 
     if mode not in MODES:
         raise KvqError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     handles = []
+    restore = None
     try:
         if mode == "hook":
             if bank is not None:
@@ -113,7 +119,27 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) 
         elif bank is None:
             yield lambda: {"use_cache": True, "past_key_values": DynamicCache(config=model.config)}
         else:
+            if uses_score_path(bank.get(0, "k")):
+                restore = _use_score_attention(model, bank)
             yield lambda: {"use_cache": True, "past_key_values": QuantizedWriteCache(bank, config=model.config)}
     finally:
         for handle in handles:
             handle.remove()
+        if restore:
+            restore()
+
+
+def _use_score_attention(model: torch.nn.Module, bank: QuantizerBank) -> Callable[[], None]:
+    """Switches the model to kvq's score attention (kvq.attention); returns the undo."""
+    previous = model.config._attn_implementation
+    modules = attention_modules(model)
+    for attention in modules:
+        attention.kvq_key_scorer = bank.get(attention.layer_idx, "k")
+    model.set_attn_implementation(SCORE_ATTENTION)
+
+    def restore() -> None:
+        model.set_attn_implementation(previous)
+        for attention in modules:
+            del attention.kvq_key_scorer
+
+    return restore

@@ -10,7 +10,7 @@ from typing import Any
 from kvq.apply import MODES
 from kvq.errors import KvqError
 from kvq.experiment import DataSpec
-from kvq.quant import QUANTIZERS, QuantSpec, is_seeded, uses_scalar_fields
+from kvq.quant import QUANTIZERS, SCALAR_FIELDS, QuantSpec, is_seeded, used_fields
 from kvq.quant.scalar import GRANULARITIES, SCALE_DTYPES
 from kvq.yamlspec import LocatedMapping, load_located
 
@@ -194,12 +194,11 @@ def load_sweep(path: str | Path) -> SweepSpec:
 def _without_unused_fields(quant: QuantSpec) -> QuantSpec:
     """Fields a quantizer ignores go back to defaults, so they neither change ids nor duplicate cells."""
     defaults = QuantSpec()
-    if not uses_scalar_fields(quant.quantizer):
-        return replace(quant, bits=defaults.bits, granularity=defaults.granularity, group_size=defaults.group_size,
-                       symmetric=defaults.symmetric, scale_dtype=defaults.scale_dtype)
-    if "group" not in quant.granularity:
-        return replace(quant, group_size=defaults.group_size)
-    return quant
+    uses = used_fields(quant.quantizer)
+    unused = {name: getattr(defaults, name) for name in SCALAR_FIELDS - uses}
+    if "granularity" in uses and "group" not in quant.granularity:
+        unused["group_size"] = defaults.group_size
+    return replace(quant, **unused)
 
 
 def expand(spec: SweepSpec) -> list[Cell]:

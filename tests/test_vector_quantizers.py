@@ -59,3 +59,26 @@ def test_kivi_keeps_recent_tokens_in_fp16_and_groups_keys_by_tokens():
     packed = q.encode(x)
     # (batch, heads, token groups, 1, channels, 1): one scale per channel per 32-token group
     assert packed.quantized.scale.shape == (1, 2, 2, 1, 64, 1)
+
+
+@pytest.mark.parametrize("bits,upper", [(2, 1), (3, 2), (4, 2), (6, 4)])
+def test_polar_bits_exact(bits, upper):
+    q = quantizer("polar", bits, upper_bits=upper)
+    x = torch.randn(2, 2, 16, 64)
+    def byte_bits(n, b):  # each level's codes are packed into whole bytes
+        return (n * b + 7) // 8 * 8
+
+    expected = (byte_bits(32, bits) + sum(byte_bits(n, upper) for n in (16, 8, 4)) + 4 * 16) / 64
+    assert q.bits_per_element(64, 16) == expected
+    assert q.encode(x).storage_bits() / x.numel() == pytest.approx(expected)
+
+
+def test_polar_keeps_norm_and_improves_with_bits():
+    x = torch.randn(2, 2, 64, 64)
+    errors = []
+    for bits, upper in [(2, 1), (3, 2), (5, 3), (7, 5)]:
+        y = quantizer("polar", bits, upper_bits=upper)(x)
+        # angles only move a vector within its radius: the norm survives up to the fp16 final radii
+        assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=2e-3)
+        errors.append(float(((y - x) ** 2).mean()))
+    assert errors == sorted(errors, reverse=True)

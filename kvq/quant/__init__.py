@@ -7,6 +7,7 @@ from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.hqmq import HQMQ
 from kvq.quant.kivi import KIVI
+from kvq.quant.polar import PolarQuant
 from kvq.quant.qjl import QJLKeys
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
@@ -16,11 +17,14 @@ from kvq.registry import Registry
 from kvq.rotations import ROTATIONS, Composed, MatrixRotation, build_rotation
 
 
+SCALAR_FIELDS = frozenset({"bits", "granularity", "group_size", "symmetric", "scale_dtype"})
+
+
 @dataclass(frozen=True)
 class QuantizerEntry:
     build: Callable[[QuantSpec, Site], Quantizer]
     seeded: bool  # False: the seed changes nothing, so a sweep runs one seed only
-    scalar_fields: bool = True  # False: bits/granularity/... unused; the knobs are spec.options
+    uses: frozenset[str] = SCALAR_FIELDS  # the QuantSpec scalar fields it reads; other knobs are spec.options
 
 
 QUANTIZERS: Registry[QuantizerEntry] = Registry("quantizer")
@@ -58,8 +62,8 @@ def options_of(spec: QuantSpec, allowed: dict[str, type]) -> dict:
     return dict(spec.options)
 
 
-def uses_scalar_fields(name: str) -> bool:
-    return QUANTIZERS.get(name).scalar_fields
+def used_fields(name: str) -> frozenset[str]:
+    return QUANTIZERS.get(name).uses
 
 
 def _hqmq(spec: QuantSpec, site: Site) -> Quantizer:
@@ -68,7 +72,7 @@ def _hqmq(spec: QuantSpec, site: Site) -> Quantizer:
                 options.get("index_bits", "fractional"))
 
 
-QUANTIZERS.register("hqmq")(QuantizerEntry(_hqmq, seeded=True, scalar_fields=False))
+QUANTIZERS.register("hqmq")(QuantizerEntry(_hqmq, seeded=True, uses=frozenset()))
 
 
 def _kivi(spec: QuantSpec, site: Site) -> Quantizer:
@@ -76,7 +80,7 @@ def _kivi(spec: QuantSpec, site: Site) -> Quantizer:
     return KIVI(site.role, spec.bits, spec.group_size, options.get("residual", 128))
 
 
-QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False))
+QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False, uses=frozenset({"bits", "group_size"})))
 
 
 def _turbo(spec: QuantSpec, site: Site) -> Quantizer:
@@ -86,7 +90,16 @@ def _turbo(spec: QuantSpec, site: Site) -> Quantizer:
     return TurboQuant(rotation, spec.bits, options.get("qjl_residual", False), seed)
 
 
-QUANTIZERS.register("turbo")(QuantizerEntry(_turbo, seeded=True))
+QUANTIZERS.register("turbo")(QuantizerEntry(_turbo, seeded=True, uses=frozenset({"bits"})))
+
+
+def _polar(spec: QuantSpec, site: Site) -> Quantizer:
+    options = options_of(spec, {"upper_bits": int, "levels": int, "rotation": str})
+    rotation = build_rotation(options.get("rotation", "srft"), site.d, site.seed(spec.seed))
+    return PolarQuant(rotation, spec.bits, options.get("upper_bits", 2), options.get("levels", 4))
+
+
+QUANTIZERS.register("polar")(QuantizerEntry(_polar, seeded=True, uses=frozenset({"bits"})))
 
 
 def _qjl(spec: QuantSpec, site: Site) -> Quantizer:
@@ -111,5 +124,5 @@ def is_seeded(spec: QuantSpec) -> bool:
 
 __all__ = [
     "QUANTIZERS", "Learned", "Packed", "QuantSpec", "Quantizer", "QuantizerEntry", "Site", "build_quantizer",
-    "is_seeded", "options_of", "scalar_from_spec", "uses_scalar_fields",
+    "is_seeded", "options_of", "scalar_from_spec", "used_fields",
 ]

@@ -43,7 +43,10 @@ class Quantizer(ABC):
 
         Also meters the storage, so data-dependent costs (outliers, residual windows) are reported
         as measured rather than assumed."""
+        return self.decode(self.metered_encode(x))
+
+    def metered_encode(self, x: torch.Tensor) -> Packed:
         packed = self.encode(x)
         self.stored_bits += packed.storage_bits()
         self.stored_elements += x.numel()
-        return self.decode(packed)
+        return packed

@@ -38,10 +38,21 @@ class QJLKeys(Quantizer):
         return QJLPacked(pack((projected >= 0).to(torch.int16), 1),
                          xf.norm(dim=-1, keepdim=True).to(torch.float16), tuple(x.shape), x.dtype)
 
-    def decode(self, packed: QJLPacked) -> torch.Tensor:
+    def score_keys(self, packed: QJLPacked) -> torch.Tensor:
+        """(..., T, m) sketched keys sqrt(pi/2)/m |k| sign(S k): q S^T against these is the estimator."""
         signs = unpack(packed.signs, 1, self.m, signed=False).float() * 2 - 1
-        scale = math.sqrt(math.pi / 2) / self.m * packed.norm.float()
-        return (scale * (signs @ self.sketch.to(signs.device))).to(packed.dtype)
+        return math.sqrt(math.pi / 2) / self.m * packed.norm.float() * signs
+
+    def decode(self, packed: QJLPacked) -> torch.Tensor:
+        keys = self.score_keys(packed)
+        return (keys @ self.sketch.to(keys.device)).to(packed.dtype)
+
+    def attention_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """What the cache hands attention in place of keys (see kvq.attention)."""
+        return self.score_keys(self.metered_encode(x)).to(x.dtype)
+
+    def attention_queries(self, q: torch.Tensor) -> torch.Tensor:
+        return (q.float() @ self.sketch.to(q.device).T).to(q.dtype)
 
     def bits_per_element(self, d: int, n_tokens: int) -> float:
         return (packed_row_bytes(self.m, 1) * 8 + 16) / d

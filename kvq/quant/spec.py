@@ -26,15 +26,18 @@ class QuantSpec:
     calibration: str | None = None  # path of a `kvq calibrate` artifact
 
     def label(self) -> str:
-        from kvq.quant import uses_scalar_fields  # the registry imports this module
+        from kvq.quant import used_fields  # the registry imports this module
 
+        uses = used_fields(self.quantizer)
         parts = [self.quantizer]
-        if uses_scalar_fields(self.quantizer):
-            parts += [f"{self.bits}b", self.granularity]
-            if "group" in self.granularity:
-                parts.append(f"g{self.group_size}")
-            if not self.symmetric:
-                parts.append("asym")
+        if "bits" in uses:
+            parts.append(f"{self.bits}b")
+        if "granularity" in uses:
+            parts.append(self.granularity)
+        if "group_size" in uses and ("group" in self.granularity or "granularity" not in uses):
+            parts.append(f"g{self.group_size}")
+        if "symmetric" in uses and not self.symmetric:
+            parts.append("asym")
         parts += [f"{key}={value}" for key, value in sorted(self.options.items())]
         if self.calibration:
             parts.append(f"cal={Path(self.calibration).stem}")

@@ -1,0 +1,76 @@
+"""PolarQuant (Han et al. 2025, summarized in the Open-TQ-Metal paper Sec. 2): recursive polar transform.
+
+After a random rotation (preconditioning), coordinates are paired into (radius, angle): level 1 angles
+lie in [0, 2 pi), and every higher level pairs the radii of the level below, so its angles lie in
+[0, pi/2] and concentrate around pi/4. After `levels` levels the d / 2^levels remaining radii are kept
+in fp16; level-1 angles get `bits` bits and higher levels `upper_bits` bits, each quantized uniformly
+on its range at cell centres (the paper fits codebooks to the angle distribution; uniform cells are
+this reference's simplification).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvq.errors import KvqError
+from kvq.quant.base import Packed, Quantizer
+from kvq.quant.packing import pack, packed_row_bytes, unpack
+from kvq.rotations import Rotation
+
+
+@dataclass
+class PolarPacked(Packed):
+    angles: list[torch.Tensor]  # packed codes per level
+    radii: torch.Tensor  # fp16 (..., d / 2^levels)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def storage_bits(self) -> int:
+        return sum(a.numel() * 8 for a in self.angles) + self.radii.numel() * 16
+
+
+class PolarQuant(Quantizer):
+    def __init__(self, rotation: Rotation, bits: int = 4, upper_bits: int = 2, levels: int = 4):
+        d = rotation.d
+        if levels < 1 or d % (1 << levels):
+            raise KvqError(f"polar needs head_dim divisible by 2^levels; d={d}, levels={levels}")
+        for name, value in (("bits", bits), ("upper_bits", upper_bits)):
+            if not 1 <= value <= 8:
+                raise KvqError(f"polar {name} must be in 1..8, got {value}")
+        self.rotation = rotation
+        self.levels = levels
+        self.level_bits = [bits] + [upper_bits] * (levels - 1)
+
+    @staticmethod
+    def _range(level: int) -> float:
+        return 2 * math.pi if level == 0 else math.pi / 2
+
+    def encode(self, x: torch.Tensor) -> PolarPacked:
+        radii = self.rotation.forward(x.float())
+        codes = []
+        for level, bits in enumerate(self.level_bits):
+            pairs = radii.reshape(*radii.shape[:-1], -1, 2)
+            angle = torch.atan2(pairs[..., 1], pairs[..., 0])
+            if level == 0:
+                angle = torch.remainder(angle, 2 * math.pi)
+            cells = 1 << bits
+            code = torch.floor(angle / self._range(level) * cells).clamp(0, cells - 1)
+            codes.append(pack(code.to(torch.int16), bits))
+            radii = pairs.norm(dim=-1)
+        return PolarPacked(codes, radii.to(torch.float16), tuple(x.shape), x.dtype)
+
+    def decode(self, packed: PolarPacked) -> torch.Tensor:
+        radii = packed.radii.float()
+        d = packed.shape[-1]
+        for level in reversed(range(self.levels)):
+            bits = self.level_bits[level]
+            count = d >> (level + 1)
+            code = unpack(packed.angles[level], bits, count, signed=False).float()
+            angle = (code + 0.5) / (1 << bits) * self._range(level)
+            radii = torch.stack([radii * torch.cos(angle), radii * torch.sin(angle)], dim=-1).flatten(-2)
+        return self.rotation.inverse(radii).to(packed.dtype)
+
+    def bits_per_element(self, d: int, n_tokens: int) -> float:
+        angle_bits = sum(packed_row_bytes(d >> (level + 1), b) * 8 for level, b in enumerate(self.level_bits))
+        return (angle_bits + (d >> self.levels) * 16) / d
