@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import loaded, requires_models
 
 from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
 from kvq.data import token_windows
 from kvq.quant import QuantSpec
-
-from conftest import loaded, requires_models
 
 pytestmark = [requires_models, pytest.mark.model]
 

@@ -16,7 +16,6 @@ from kvq.quant.turbo import TurboQuant
 from kvq.registry import Registry
 from kvq.rotations import ROTATIONS, Composed, MatrixRotation, build_rotation
 
-
 SCALAR_FIELDS = frozenset({"bits", "granularity", "group_size", "symmetric", "scale_dtype"})
 
 
