@@ -9,6 +9,7 @@ import typer
 from tqdm import tqdm
 
 from kvq.errors import KvqError
+from kvq.quant.spec import parse_scalar
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="KV-cache quantization research harness.")
@@ -24,17 +25,8 @@ def parse_options(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise KvqError(f"--option takes key=value, got {pair!r}")
-        options[key] = _scalar(value)
+        options[key] = parse_scalar(value)
     return options
-
-
-def _scalar(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 @app.command()
@@ -182,6 +174,94 @@ def plot(
         raise KvqError(f"no finished cells under {path}")
     for figure in plot_dppl_vs_bits(frame, out or Path(path) / "figures"):
         typer.echo(f"wrote {figure}")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError as exc:
+        raise KvqError(f"expected comma-separated numbers, got {text!r}") from exc
+
+
+@app.command()
+def lmeval(
+    model: str = typer.Option("smollm2-135m"),
+    quant: str = typer.Option("fp", help="fp, or NAME[:BITS[:GRANULARITY[:GROUP]]][,key=value...]"),
+    tasks: str = typer.Option("kvq_passkey", help="comma-separated lm-eval tasks (kvq_passkey, kvq_vt or any)"),
+    limit: int | None = typer.Option(None),
+    mode: str = typer.Option("cache"),
+    lengths: str = typer.Option("512,1024", help="kvq_* task context lengths in tokens"),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", help="kvq_* task needle depths"),
+    device: str = typer.Option("cpu"),
+    json_out: Path | None = typer.Option(None, "--json"),
+):
+    """lm-eval tasks with a quantized KV cache (loglikelihood and generation requests)."""
+    from kvq import models
+    from kvq.experiment import check_mode, make_bank
+    from kvq.lmeval import QuantizedHFLM, evaluate, per_sample
+    from kvq.longctx import RetrievalSpec, write_tasks
+    from kvq.provenance import provenance
+    from kvq.quant.spec import parse_spec
+    from kvq.store import write_json_atomic
+
+    spec = parse_spec(quant)
+    check_mode(mode)
+    retrieval = RetrievalSpec(tuple(int(x) for x in _floats(lengths)), _floats(depths))
+    bank = make_bank(model, models.load_config(model), spec) if spec else None
+    lm = models.load(model, device=device)
+    folder = write_tasks(lm.tokenizer, retrieval, models.cache_dir() / "tasks")
+    task_list = tasks.split(",")
+    results = evaluate(QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device), task_list, limit, folder)
+    for task, metrics in results["results"].items():
+        shown = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        typer.echo(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+    if json_out:
+        record = {"format": "kvq-lmeval/1", "model": model, "mode": mode, "quant": spec.to_dict() if spec else None,
+                  "results": results["results"], "samples": {t: per_sample(results, t) for t in task_list},
+                  "bits_per_element": bank.measured_bits_per_element() if bank else 16.0, **provenance(device)}
+        write_json_atomic(json_out, record)
+        typer.echo(f"wrote {json_out}")
+
+
+@app.command()
+def retrieval(
+    model: str = typer.Option("qwen2.5-coder-0.5b"),
+    quant: list[str] = typer.Option(["fp", "int:4"], help="repeatable: fp or NAME[:BITS[:GRANULARITY[:GROUP]]][,k=v]"),
+    task: str = typer.Option("kvq_passkey", help="kvq_passkey or kvq_vt"),
+    lengths: str = typer.Option("512,1024,2048"),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1"),
+    samples: int = typer.Option(1, help="documents per (length, depth)"),
+    mode: str = typer.Option("cache"),
+    out: Path = typer.Option(Path("runs/retrieval")),
+    results: Path = typer.Option(Path("RESULTS.md")),
+    device: str = typer.Option("cpu"),
+):
+    """Retrieval accuracy vs context length and depth per quantizer: JSON, table, heatmap, RESULTS.md item."""
+    from kvq.experiment import check_mode
+    from kvq.ledger import append_finding
+    from kvq.longctx import RetrievalSpec
+    from kvq.provenance import git_state
+    from kvq.quant.spec import parse_spec
+    from kvq.retrieval import accuracy_frame, accuracy_table, heatmap, run_retrieval
+
+    check_mode(mode)
+    specs = [parse_spec(q) for q in quant]
+    spec = RetrievalSpec(tuple(int(x) for x in _floats(lengths)), _floats(depths), samples)
+    records = run_retrieval(model, specs, spec, mode, task, out, device)
+    frame = accuracy_frame(records)
+    table = accuracy_table(frame)
+    figures = heatmap(frame, out / f"{model}-{task}-heatmap", f"{task} on {model} ({mode} mode)")
+    typer.echo(table)
+    git = git_state()
+    body = "\n".join([
+        f"Command: `kvq {' '.join(sys.argv[1:])}`",
+        f"Commit: `{git['commit']}`{' (dirty)' if git['dirty'] else ''}; {len(frame)} samples per method is "
+        f"{len(spec.lengths)} lengths x {len(spec.depths)} depths x {samples}; greedy decoding.",
+        "", "Accuracy (mean over depths):", "", table, "",
+        f"JSON: `{out}/{model}-{task}-*.json`", "Figure: " + ", ".join(f"`{p}`" for p in figures),
+    ])
+    number = append_finding(results, f"{task} retrieval on {model}", body)
+    typer.echo(f"appended finding {number} to {results}")
 
 
 @app.command("list")

@@ -74,3 +74,45 @@ def check_role(role: str) -> str:
     if role not in ROLES:
         raise KvqError(f"role must be 'k' or 'v', got {role!r}")
     return role
+
+
+def parse_spec(text: str) -> QuantSpec | None:
+    """'fp' -> None (no quantization); else NAME[:BITS[:GRANULARITY[:GROUP]]][,key=value...].
+
+    e.g. 'int:4', 'srft:4:per_channel_group:32', 'hqmq,S=24,r=6,outlier_c=3', 'kivi:4,residual=32'.
+    """
+    if text == "fp":
+        return None
+    head, *pairs = text.split(",")
+    name, *fields_ = head.split(":")
+    if len(fields_) > 3 or not name:
+        raise KvqError(f"bad quantizer spec {text!r}: use NAME[:BITS[:GRANULARITY[:GROUP]]][,key=value...]")
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise KvqError(f"bad option {pair!r} in {text!r}: use key=value")
+        options[key] = parse_scalar(value)
+    try:
+        numbers = [int(fields_[0])] if fields_ else []
+        group = [int(fields_[2])] if len(fields_) > 2 else []
+    except ValueError as exc:
+        raise KvqError(f"bad quantizer spec {text!r}: bits and group size are integers") from exc
+    kwargs: dict[str, Any] = {"quantizer": name, "options": options}
+    if numbers:
+        kwargs["bits"] = numbers[0]
+    if len(fields_) > 1:
+        kwargs["granularity"] = fields_[1]
+    if group:
+        kwargs["group_size"] = group[0]
+    return QuantSpec(**kwargs)
+
+
+def parse_scalar(text: str):
+    """'3' -> 3, '0.5' -> 0.5, 'true' -> True, anything else stays a string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)

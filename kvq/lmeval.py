@@ -1,0 +1,57 @@
+"""lm-eval with a kvq quantizer on the KV path, for loglikelihood and generation requests alike."""
+
+from pathlib import Path
+
+import torch
+from lm_eval import simple_evaluate
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+from kvq.apply import QuantizerBank, quantized_kv
+from kvq.errors import KvqError
+
+
+class QuantizedHFLM(HFLM):
+    """HFLM whose forward passes and generate() run under kvq's hook or cache quantization.
+
+    With bank None it is the fp reference on the same code path."""
+
+    def __init__(self, model, tokenizer, bank: QuantizerBank | None, mode: str, device: str = "cpu",
+                 batch_size: int = 1, max_length: int | None = None):
+        super().__init__(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size,
+                         max_length=max_length)
+        self.bank = bank
+        self.mode = mode
+
+    def _model_call(self, inps, attn_mask=None, labels=None):
+        with torch.no_grad(), quantized_kv(self.model, self.bank, self.mode) as forward_kwargs:
+            return self.model(inps, **forward_kwargs()).logits
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        with quantized_kv(self.model, self.bank, self.mode) as forward_kwargs:
+            extra = forward_kwargs()
+            extra.pop("use_cache")  # generation always caches; hook mode quantizes the projections anyway
+            return super()._model_generate(context, max_length, stop, **generation_kwargs, **extra)
+
+
+def evaluate(lm: QuantizedHFLM, tasks: list[str], limit: int | None, include_path: Path | None = None) -> dict:
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise KvqError(f"unknown lm-eval task(s) {', '.join(unknown)}; kvq's own: kvq_passkey, kvq_vt")
+    return simple_evaluate(model=lm, tasks=tasks, limit=limit, log_samples=True, task_manager=manager,
+                           bootstrap_iters=0)
+
+
+def per_sample(results: dict, task: str) -> list[dict]:
+    """doc fields, the filtered response and the per-sample metrics of one task, in doc order."""
+    rows = []
+    for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"]):
+        response = sample["filtered_resps"][0]
+        rows.append({
+            "doc_id": sample["doc_id"],
+            "response": response if isinstance(response, str) else list(response),
+            **{k: v for k, v in sample["doc"].items() if k != "input"},
+            **{m: sample[m] for m in ("acc",) if m in sample},
+        })
+    return rows
