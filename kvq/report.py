@@ -6,7 +6,7 @@ import pandas as pd
 
 from kvq.ledger import markdown_table
 from kvq.provenance import git_state
-from kvq.results import summarize
+from kvq.results import ACC_SUFFIX, summarize
 from kvq.sweep_spec import SweepSpec
 
 
@@ -21,6 +21,10 @@ def sweep_finding(spec: SweepSpec, frame: pd.DataFrame, directory: Path, figures
          str(r.seeds)]
         for r in summary.itertuples()
     ]
+    for column in [c for c in summary.columns if c.endswith(ACC_SUFFIX)]:
+        header.append(column)
+        for row, value in zip(rows, summary[column], strict=True):
+            row.append(f"{value:.2f}")
     if summary.calibration_mse_reduction.notna().any():
         header.append("calibration MSE reduction")
         for row, reduction in zip(rows, summary.calibration_mse_reduction, strict=True):

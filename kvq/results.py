@@ -11,6 +11,17 @@ from kvq.sweep import CELL_FORMAT
 SERIES_KEYS = ["model", "mode", "quantizer", "granularity", "series", "label"]
 
 
+ACC_SUFFIX = " acc"
+
+
+def _lmeval_columns(metrics: dict) -> dict:
+    columns = {}
+    for task, info in metrics.get("lmeval", {}).items():
+        columns[f"{task}{ACC_SUFFIX}"] = info["metrics"].get("acc,none")
+        columns[f"{task} fp{ACC_SUFFIX}"] = info["fp_metrics"].get("acc,none")
+    return columns
+
+
 def _row(record: dict, path: Path) -> dict:
     config = record["config"]
     quant = QuantSpec(**config["quant"])
@@ -33,6 +44,7 @@ def _row(record: dict, path: Path) -> dict:
         "commit": record["git"]["commit"],
         "dirty": record["git"]["dirty"],
         "path": str(path),
+        **_lmeval_columns(record["metrics"]),
     }
 
 
@@ -51,7 +63,9 @@ def load(path: str | Path) -> pd.DataFrame:
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """Mean and std of dPPL over seeds per configuration (std is 0 for a single seed)."""
     grouped = frame.groupby(SERIES_KEYS, sort=False)
+    accuracies = {c: (c, "mean") for c in frame.columns if c.endswith(ACC_SUFFIX)}
     summary = grouped.agg(
+        **accuracies,
         bits_per_element=("bits_per_element", "first"),
         fp_ppl=("fp_ppl", "first"),
         dppl_mean=("dppl", "mean"),

@@ -59,6 +59,31 @@ def _baseline(directory: Path, lm, windows, cell: Cell, progress: Progress | Non
     return record
 
 
+def _lmeval_metrics(directory: Path, lm, cell: Cell, bank, device: str) -> dict:
+    """Each lm-eval task of the cell: quantized accuracy and per-sample responses beside the fp run's,
+    the fp run computed once per (model, mode, task settings) and stored with the baselines."""
+    from kvq.lmeval import QuantizedHFLM, evaluate, per_sample
+    from kvq.longctx import RetrievalSpec, write_tasks
+
+    settings = cell.lmeval
+    folder = write_tasks(lm.tokenizer, RetrievalSpec(settings.lengths, settings.depths), models.cache_dir() / "tasks")
+    out = {}
+    for task in cell.lmeval_tasks:
+        key = json.dumps({"model": cell.model, "mode": cell.mode, "task": task, **settings.to_dict()}, sort_keys=True)
+        path = directory / "baselines" / f"lmeval-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+        fp = read_json(path)
+        if fp is None:
+            results = evaluate(QuantizedHFLM(lm.model, lm.tokenizer, None, cell.mode, device), [task],
+                               settings.limit, folder)
+            fp = {"metrics": results["results"][task], "samples": per_sample(results, task)}
+            write_json_atomic(path, fp)
+        results = evaluate(QuantizedHFLM(lm.model, lm.tokenizer, bank, cell.mode, device), [task], settings.limit,
+                           folder)
+        out[task] = {"metrics": results["results"][task], "fp_metrics": fp["metrics"],
+                     "samples": per_sample(results, task), "fp_samples": fp["samples"]}
+    return out
+
+
 def run_sweep(spec: SweepSpec, runs_dir: Path, force: bool = False, device: str = "cpu",
               cell_progress: Callable[[list], list] | None = None,
               window_progress: Callable[[str], Progress] | None = None) -> SweepOutcome:
@@ -99,6 +124,9 @@ def run_sweep(spec: SweepSpec, runs_dir: Path, force: bool = False, device: str 
             "wall_time_s": round(time.time() - started, 3),
             **provenance(device),
         }
+        if cell.lmeval_tasks:
+            record["metrics"]["lmeval"] = _lmeval_metrics(directory, lm, cell, make_bank(cell.model, lm.model.config,
+                                                                                     cell.quant), device)
         write_json_atomic(cell_path(directory, cell), record)
         ran.append(cell.id)
     return SweepOutcome(directory, cells, ran, skipped)

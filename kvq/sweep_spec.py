@@ -15,6 +15,7 @@ from kvq.quant.scalar import GRANULARITIES, SCALE_DTYPES
 from kvq.yamlspec import LocatedMapping, load_located
 
 METRICS = ("ppl",)
+LMEVAL_PREFIX = "lmeval:"  # metrics "lmeval:<task>" run an lm-eval task per cell
 GRID_FIELDS = ("quantizer", "bits", "granularity", "group_size", "symmetric", "scale_dtype", "options",
                "calibration")
 
@@ -32,6 +33,16 @@ class Grid:
 
 
 @dataclass(frozen=True)
+class LmevalSpec:
+    limit: int | None = None
+    lengths: tuple[int, ...] = (512, 1024)  # for kvq's generated tasks (kvq_passkey, kvq_vt)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+    def to_dict(self) -> dict:
+        return {"limit": self.limit, "lengths": list(self.lengths), "depths": list(self.depths)}
+
+
+@dataclass(frozen=True)
 class SweepSpec:
     name: str
     models: list[str]
@@ -40,7 +51,12 @@ class SweepSpec:
     mode: str = "hook"
     seeds: list[int] = field(default_factory=lambda: [0])
     metrics: list[str] = field(default_factory=lambda: ["ppl"])
+    lmeval: LmevalSpec = field(default_factory=LmevalSpec)
     source: str = ""
+
+    @property
+    def lmeval_tasks(self) -> list[str]:
+        return [m[len(LMEVAL_PREFIX):] for m in self.metrics if m.startswith(LMEVAL_PREFIX)]
 
 
 @dataclass(frozen=True)
@@ -49,9 +65,14 @@ class Cell:
     mode: str
     data: DataSpec
     quant: QuantSpec
+    lmeval_tasks: tuple[str, ...] = ()
+    lmeval: LmevalSpec = field(default_factory=LmevalSpec)
 
     def config(self) -> dict[str, Any]:
-        return {"model": self.model, "mode": self.mode, "data": self.data.to_dict(), "quant": self.quant.to_dict()}
+        config = {"model": self.model, "mode": self.mode, "data": self.data.to_dict(), "quant": self.quant.to_dict()}
+        if self.lmeval_tasks:  # only then, so ppl-only cells keep their ids
+            config["lmeval"] = {"tasks": list(self.lmeval_tasks), **self.lmeval.to_dict()}
+        return config
 
     @property
     def id(self) -> str:
@@ -143,7 +164,8 @@ def _grid(fields_: _Fields) -> Grid:
     return grid
 
 
-TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics")
+TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics", "lmeval")
+LMEVAL_FIELDS = ("limit", "lengths", "depths")
 DATA_FIELDS = tuple(f.name for f in fields(DataSpec))
 
 
@@ -163,6 +185,14 @@ def load_sweep(path: str | Path) -> SweepSpec:
     for key in ("seq_len", "n_windows", "batch_size"):
         if getattr(data, key) < (2 if key == "seq_len" else 1):
             data_fields.fail(key, f"too small: {getattr(data, key)}")
+    lmeval_fields = top.nested("lmeval")
+    lmeval_fields.unknown_keys(LMEVAL_FIELDS)
+    lmeval_default = LmevalSpec()
+    lmeval = LmevalSpec(
+        limit=lmeval_fields.get("limit", int, None),
+        lengths=tuple(lmeval_fields.get_list("lengths", int, list(lmeval_default.lengths))),
+        depths=tuple(float(d) for d in lmeval_fields.get_list("depths", (int, float), list(lmeval_default.depths))),
+    )
     raw_grid = top.mapping.get("grid")
     if raw_grid is None:
         raise KvqError(f"{path}:{top.mapping.line}: field 'grid' is required")
@@ -181,11 +211,14 @@ def load_sweep(path: str | Path) -> SweepSpec:
         mode=top.get("mode", str, "hook"),
         seeds=top.get_list("seeds", int, [0]),
         metrics=top.get_list("metrics", str, ["ppl"]),
+        lmeval=lmeval,
         source=str(path),
     )
     if spec.mode not in MODES:
         top.fail("mode", f"{spec.mode!r} is not one of {', '.join(MODES)}")
-    _check_members(top, "metrics", spec.metrics, METRICS)
+    for metric in spec.metrics:
+        if metric not in METRICS and not (metric.startswith(LMEVAL_PREFIX) and len(metric) > len(LMEVAL_PREFIX)):
+            top.fail("metrics", f"{metric!r} is not 'ppl' or 'lmeval:<task>'")
     if not spec.name.replace("_", "").replace("-", "").isalnum():
         top.fail("name", "use letters, digits, '-' and '_' only (it names the runs/ folder)")
     return spec
@@ -212,6 +245,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
                                   options, calibration)
                 first = _without_unused_fields(first)
                 for seed in spec.seeds if is_seeded(first) else spec.seeds[:1]:
-                    cell = Cell(model, spec.mode, spec.data, replace(first, seed=seed))
+                    cell = Cell(model, spec.mode, spec.data, replace(first, seed=seed), tuple(spec.lmeval_tasks),
+                                spec.lmeval)
                     cells.setdefault(cell.id, cell)
     return list(cells.values())
