@@ -2,10 +2,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import requires_models, run_kvq
 
 from kvq.sweep_spec import expand, load_sweep
-
-from conftest import requires_models, run_kvq
 
 ROOT = Path(__file__).resolve().parents[1]
 
