@@ -18,6 +18,7 @@ def test_window_flushes_and_returns_decoded_prefix_plus_exact_window():
     cache = QuantizedKVCache(bank, small_config(), residual=16)
     keys, values = torch.randn(1, 2, 40, 128), torch.randn(1, 2, 40, 128)
     out_k, out_v = cache.update(keys, values, 0)
+    assert torch.equal(out_v[..., 32:, :], values[..., 32:, :])
     layer = cache.layers[0]
     assert isinstance(layer, QuantizedLayer) and layer.quantized_tokens == 32 and cache.get_seq_length(0) == 40
     assert torch.equal(out_k[..., 32:, :], keys[..., 32:, :])  # the window is exact
