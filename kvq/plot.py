@@ -32,14 +32,16 @@ def plot_dppl_vs_bits(frame: pd.DataFrame, out_dir: Path, stem: str = "dppl_vs_b
     fig, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4.5), squeeze=False)
     for ax, model in zip(axes[0], model_names, strict=True):
         panel = summary[summary.model == model]
-        # Colour tells the granularity, marker the quantizer: series stay apart past ten of them.
-        colours = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(panel.granularity))}
+        # Colour tells the granularity and marker the quantizer, so series stay apart past ten of them;
+        # with a single granularity the colour tells the quantizer too.
+        colour_key = "granularity" if panel.granularity.nunique() > 1 else "quantizer"
+        colours = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(panel[colour_key]))}
         markers = {q: MARKERS[i % len(MARKERS)] for i, q in enumerate(dict.fromkeys(panel.quantizer))}
         for series, points in panel.groupby("series", sort=False):
             points = points.sort_values("bits_per_element")
             first = points.iloc[0]
             ax.errorbar(points.bits_per_element, points.y, yerr=points.dppl_std, capsize=3, label=series,
-                        color=colours[first.granularity], marker=markers[first.quantizer], ms=7, alpha=0.85)
+                        color=colours[first[colour_key]], marker=markers[first.quantizer], ms=7, alpha=0.85)
         front = pareto_front(panel)
         ax.plot(front.bits_per_element, front.dppl_mean.clip(lower=LOG_FLOOR), "k--", lw=1, marker="s",
                 mfc="none", ms=13, alpha=0.6, label="Pareto frontier")
