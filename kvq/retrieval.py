@@ -74,7 +74,8 @@ def heatmap(frame: pd.DataFrame, path: Path, title: str) -> list[Path]:
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     fig.suptitle(title, fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
-    paths = [path.with_suffix(".png"), path.with_suffix(".pdf")]
+    # Model names hold dots ("qwen2.5-..."), so the suffix is appended, never substituted.
+    paths = [path.parent / f"{path.name}.{ext}" for ext in ("png", "pdf")]
     for p in paths:
         fig.savefig(p, dpi=130, bbox_inches="tight")
     plt.close(fig)
