@@ -69,7 +69,8 @@ def heatmap(frame: pd.DataFrame, path: Path, title: str) -> list[Path]:
         ax.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns])
         ax.set_yticks(range(len(grid.index)), [f"{d:.0%}" for d in grid.index])
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
+        if ax is axes[0][0]:
+            ax.set_ylabel("needle depth")
         ax.set_title(method, fontsize=9)
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     fig.suptitle(title, fontsize=10)
