@@ -20,6 +20,12 @@ from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
 MODES = ("hook", "cache")
 
 
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise KvqError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     n_layers: int
@@ -103,8 +109,7 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) 
 
     With bank None the model runs unquantized (the fp baseline), on the same code path.
     """
-    if mode not in MODES:
-        raise KvqError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    check_mode(mode)
     handles = []
     restore = None
     try:

@@ -51,7 +51,8 @@ def ppl(
 ):
     """Perplexity of one model under one quantizer, against its fp baseline."""
     from kvq import models
-    from kvq.experiment import DataSpec, check_mode, eval_windows, make_bank, measure
+    from kvq.apply import check_mode
+    from kvq.experiment import DataSpec, eval_windows, make_bank, measure
     from kvq.provenance import provenance
     from kvq.quant import QuantSpec
 
@@ -144,7 +145,7 @@ def calibrate(
 ):
     """Learn per-site lambda and rotations on captured K/V; save an artifact sweeps can use."""
     from kvq.calibrate import CalibrationConfig, run_calibration
-    from kvq.experiment import check_mode
+    from kvq.apply import check_mode
     from kvq.quant.scalar import ScalarQuantizer
 
     check_mode(mode)
@@ -197,7 +198,8 @@ def lmeval(
 ):
     """lm-eval tasks with a quantized KV cache (loglikelihood and generation requests)."""
     from kvq import models
-    from kvq.experiment import check_mode, make_bank
+    from kvq.apply import check_mode
+    from kvq.experiment import make_bank
     from kvq.lmeval import QuantizedHFLM, evaluate, per_sample
     from kvq.longctx import RetrievalSpec, write_tasks
     from kvq.provenance import provenance
@@ -237,7 +239,7 @@ def retrieval(
     device: str = typer.Option("cpu"),
 ):
     """Retrieval accuracy vs context length and depth per quantizer: JSON, table, heatmap, RESULTS.md item."""
-    from kvq.experiment import check_mode
+    from kvq.apply import check_mode
     from kvq.ledger import append_finding
     from kvq.longctx import RetrievalSpec
     from kvq.provenance import git_state

@@ -3,10 +3,9 @@
 from dataclasses import asdict, dataclass
 
 from kvq import models
-from kvq.apply import MODES, QuantizerBank, kv_geometry
+from kvq.apply import QuantizerBank, kv_geometry
 from kvq.calibrate import load_learned
 from kvq.data import token_windows
-from kvq.errors import KvqError
 from kvq.ppl import PplResult, Progress, perplexity
 from kvq.quant import QuantSpec
 
@@ -20,12 +19,6 @@ class DataSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise KvqError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
 
 
 def make_bank(model_name: str, config, spec: QuantSpec) -> QuantizerBank:
