@@ -144,8 +144,8 @@ def calibrate(
     out: Path = typer.Option(..., help="artifact path, e.g. runs/calib/smollm2-householder.pt"),
 ):
     """Learn per-site lambda and rotations on captured K/V; save an artifact sweeps can use."""
-    from kvq.calibrate import CalibrationConfig, run_calibration
     from kvq.apply import check_mode
+    from kvq.calibrate import CalibrationConfig, run_calibration
     from kvq.quant.scalar import ScalarQuantizer
 
     check_mode(mode)
