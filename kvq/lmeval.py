@@ -43,6 +43,14 @@ def evaluate(lm: QuantizedHFLM, tasks: list[str], limit: int | None, include_pat
                            bootstrap_iters=0)
 
 
+def run_task(lm, bank: QuantizerBank | None, mode: str, task: str, limit: int | None, include_path: Path,
+             device: str = "cpu") -> dict:
+    """One task of a LoadedModel under one quantizer (None: fp): its metrics and per-sample rows."""
+    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device)
+    results = evaluate(harness, [task], limit, include_path)
+    return {"metrics": results["results"][task], "samples": per_sample(results, task)}
+
+
 def per_sample(results: dict, task: str) -> list[dict]:
     """doc fields, the filtered response and the per-sample metrics of one task, in doc order."""
     rows = []

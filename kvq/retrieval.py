@@ -12,7 +12,7 @@ import pandas as pd
 from kvq import models
 from kvq.experiment import make_bank
 from kvq.ledger import markdown_table
-from kvq.lmeval import QuantizedHFLM, evaluate, per_sample
+from kvq.lmeval import run_task
 from kvq.longctx import RetrievalSpec, write_tasks
 from kvq.models import cache_dir
 from kvq.provenance import provenance
@@ -33,12 +33,11 @@ def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: Ret
     folder = write_tasks(lm.tokenizer, retrieval, cache_dir() / "tasks")
     records = []
     for name, (spec, bank) in banks.items():
-        harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device)
-        results = evaluate(harness, [task], limit, folder)
+        result = run_task(lm, bank, mode, task, limit, folder, device)
         record = {
             "format": "kvq-retrieval/1", "model": model_name, "mode": mode, "task": task, "label": name,
             "quant": spec.to_dict() if spec else None, "retrieval": retrieval.__dict__,
-            "accuracy": results["results"][task]["acc,none"], "samples": per_sample(results, task),
+            "accuracy": result["metrics"]["acc,none"], "samples": result["samples"],
             "bits_per_element": bank.measured_bits_per_element() if bank else 16.0, **provenance(device),
         }
         write_json_atomic(out_dir / f"{model_name}-{task}-{name}.json", record)

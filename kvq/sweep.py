@@ -62,7 +62,7 @@ def _baseline(directory: Path, lm, windows, cell: Cell, progress: Progress | Non
 def _lmeval_metrics(directory: Path, lm, cell: Cell, bank, device: str) -> dict:
     """Each lm-eval task of the cell: quantized accuracy and per-sample responses beside the fp run's,
     the fp run computed once per (model, mode, task settings) and stored with the baselines."""
-    from kvq.lmeval import QuantizedHFLM, evaluate, per_sample
+    from kvq.lmeval import run_task
     from kvq.longctx import RetrievalSpec, write_tasks
 
     settings = cell.lmeval
@@ -73,14 +73,10 @@ def _lmeval_metrics(directory: Path, lm, cell: Cell, bank, device: str) -> dict:
         path = directory / "baselines" / f"lmeval-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
         fp = read_json(path)
         if fp is None:
-            results = evaluate(QuantizedHFLM(lm.model, lm.tokenizer, None, cell.mode, device), [task],
-                               settings.limit, folder)
-            fp = {"metrics": results["results"][task], "samples": per_sample(results, task)}
+            fp = run_task(lm, None, cell.mode, task, settings.limit, folder, device)
             write_json_atomic(path, fp)
-        results = evaluate(QuantizedHFLM(lm.model, lm.tokenizer, bank, cell.mode, device), [task], settings.limit,
-                           folder)
-        out[task] = {"metrics": results["results"][task], "fp_metrics": fp["metrics"],
-                     "samples": per_sample(results, task), "fp_samples": fp["samples"]}
+        quantized = run_task(lm, bank, cell.mode, task, settings.limit, folder, device)
+        out[task] = {**quantized, "fp_metrics": fp["metrics"], "fp_samples": fp["samples"]}
     return out
 
 
