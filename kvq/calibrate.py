@@ -70,8 +70,10 @@ def _reconstruction(bx: torch.Tensor, quantizer: ScalarQuantizer, rotation: torc
 
 
 def calibrate(captured: dict[tuple[int, str], torch.Tensor], geometry: KVGeometry,
-              cfg: CalibrationConfig, progress: Callable | None = None) -> dict[tuple[int, str], SiteResult]:
-    """Trains every site at once (see kvq.learned); `progress` wraps the step loop."""
+              cfg: CalibrationConfig, progress: Callable | None = None,
+              device: str = "cpu") -> dict[tuple[int, str], SiteResult]:
+    """Trains every site at once on `device` (see kvq.learned); `progress` wraps the step loop.
+    The learned tensors come back on the CPU."""
     keys = sorted(captured)
     sites = [Site(layer, role, geometry.head_dim) for layer, role in keys]
     counts = {captured[k].shape[0] for k in keys}
@@ -81,8 +83,8 @@ def calibrate(captured: dict[tuple[int, str], torch.Tensor], geometry: KVGeometr
     bx = torch.stack([
         build_rotation(cfg.base, site.d, site.seed(cfg.seed)).forward(captured[key].float())
         for key, site in zip(keys, sites, strict=True)
-    ])
-    modules = learnable_modules(cfg.learn, len(keys), geometry.head_dim, cfg.reflectors, cfg.seed)
+    ]).to(device)
+    modules = learnable_modules(cfg.learn, len(keys), geometry.head_dim, cfg.reflectors, cfg.seed).to(device)
 
     def current() -> tuple[torch.Tensor | None, torch.Tensor | None]:
         rotation = modules["rotation"]() if "rotation" in modules else None
@@ -112,8 +114,8 @@ def calibrate(captured: dict[tuple[int, str], torch.Tensor], geometry: KVGeometr
         after = site_mse(rotation, lam)
     return {
         key: SiteResult(
-            Learned(cfg.seed, None if rotation is None else rotation[i].clone(),
-                    None if lam is None else lam[i].clone()),
+            Learned(cfg.seed, None if rotation is None else rotation[i].cpu().clone(),
+                    None if lam is None else lam[i].cpu().clone()),
             float(before[i]), float(after[i]), parameters,
         )
         for i, key in enumerate(keys)
@@ -201,7 +203,7 @@ def run_calibration(cfg: CalibrationConfig, out: Path, device: str = "cpu", wind
     geometry = kv_geometry(lm.model.config)
     windows = token_windows(lm.tokenizer, cfg.corpus, cfg.seq_len, cfg.n_windows, split="calib")
     captured = capture_kv(lm.model, windows, cfg.mode, cfg.max_vectors, cfg.seed, progress=window_progress)
-    results = calibrate(captured, geometry, cfg, step_progress)
+    results = calibrate(captured, geometry, cfg, step_progress, device)
     extra = {"commit": git_state()["commit"], "seconds": round(time.time() - started, 1)}
     save_artifact(out, cfg, geometry, results, extra)
     return read_artifact(out)["meta"]

@@ -19,6 +19,16 @@ def progress_bar(desc: str):
     return lambda items: tqdm(items, desc=desc, leave=False, file=sys.stderr)
 
 
+def _resolve_device(value: str) -> str:
+    from kvq.provenance import resolve_device
+
+    return resolve_device(value)
+
+
+def device_option():
+    return typer.Option("auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps", callback=_resolve_device)
+
+
 def parse_options(pairs: list[str]) -> dict:
     options = {}
     for pair in pairs:
@@ -46,7 +56,7 @@ def ppl(
     seq_len: int = typer.Option(256),
     n_windows: int = typer.Option(8),
     batch_size: int = typer.Option(2),
-    device: str = typer.Option("cpu"),
+    device: str = device_option(),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
 ):
     """Perplexity of one model under one quantizer, against its fp baseline."""
@@ -89,7 +99,7 @@ def sweep(
     results: Path = typer.Option(Path("RESULTS.md"), help="ledger the finished sweep appends to"),
     dry_run: bool = typer.Option(False, help="list the cells and exit"),
     force: bool = typer.Option(False, help="rerun finished cells"),
-    device: str = typer.Option("cpu"),
+    device: str = device_option(),
 ):
     """Run every cell of a YAML sweep (resumable), then plot and append a finding to RESULTS.md."""
     from kvq.ledger import append_finding
@@ -140,7 +150,7 @@ def calibrate(
     n_windows: int = typer.Option(8, help="calibration windows (from the held-out calibration split)"),
     seq_len: int = typer.Option(256),
     max_vectors: int = typer.Option(1024, help="head vectors kept per (layer, K|V)"),
-    device: str = typer.Option("cpu"),
+    device: str = device_option(),
     out: Path = typer.Option(..., help="artifact path, e.g. runs/calib/smollm2-householder.pt"),
 ):
     """Learn per-site lambda and rotations on captured K/V; save an artifact sweeps can use."""
@@ -193,7 +203,7 @@ def lmeval(
     mode: str = typer.Option("cache"),
     lengths: str = typer.Option("512,1024", help="kvq_* task context lengths in tokens"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", help="kvq_* task needle depths"),
-    device: str = typer.Option("cpu"),
+    device: str = device_option(),
     json_out: Path | None = typer.Option(None, "--json"),
 ):
     """lm-eval tasks with a quantized KV cache (loglikelihood and generation requests)."""
@@ -236,7 +246,7 @@ def retrieval(
     mode: str = typer.Option("cache"),
     out: Path = typer.Option(Path("runs/retrieval")),
     results: Path = typer.Option(Path("RESULTS.md")),
-    device: str = typer.Option("cpu"),
+    device: str = device_option(),
 ):
     """Retrieval accuracy vs context length and depth per quantizer: JSON, table, heatmap, RESULTS.md item."""
     from kvq.apply import check_mode

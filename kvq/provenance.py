@@ -31,6 +31,17 @@ def _version(package: str) -> str | None:
         return None
 
 
+def resolve_device(device: str) -> str:
+    """'auto' picks CUDA, then MPS, then the CPU."""
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))

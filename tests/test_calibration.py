@@ -88,3 +88,12 @@ def test_wrong_model_artifact_is_one_line_error(smollm2_capture, tmp_path):
     assert done.stderr.strip().count("\n") == 0 and "made for model" in done.stderr
     with pytest.raises(KvqError, match="base 'srft'"):
         load_learned(path, "qwen2.5-coder-0.5b", geometry, QuantSpec("srht"))
+
+
+def test_calibration_runs_on_the_given_device_and_returns_cpu_tensors():
+    from kvq.apply import KVGeometry
+
+    captured = {(0, "k"): torch.randn(64, 16), (0, "v"): torch.randn(64, 16)}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = calibrate(captured, KVGeometry(1, 1, 16), CalibrationConfig("m", learn="cayley", steps=3), device=device)
+    assert all(r.learned.rotation.device.type == "cpu" for r in results.values())

@@ -82,3 +82,9 @@ def test_polar_keeps_norm_and_improves_with_bits():
         assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=2e-3)
         errors.append(float(((y - x) ** 2).mean()))
     assert errors == sorted(errors, reverse=True)
+
+
+def test_qjl_key_error_decreases_with_sketch_rows():
+    x = torch.randn(1, 2, 64, 64)
+    errors = [float(((quantizer("qjl", m=m)(x) - x) ** 2).mean()) for m in (32, 128, 512, 2048)]
+    assert errors == sorted(errors, reverse=True)
