@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvq.attention import SCORE_ATTENTION, uses_score_path
+from kvq.attention import SCORE_ATTENTION, switch_attention, uses_score_path
 from kvq.errors import KvqError
 from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
 
@@ -136,14 +136,13 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) 
 
 def _use_score_attention(model: torch.nn.Module, bank: QuantizerBank) -> Callable[[], None]:
     """Switches the model to kvq's score attention (kvq.attention); returns the undo."""
-    previous = model.config._attn_implementation
     modules = attention_modules(model)
     for attention in modules:
         attention.kvq_key_scorer = bank.get(attention.layer_idx, "k")
-    model.set_attn_implementation(SCORE_ATTENTION)
+    restore_attention = switch_attention(model, SCORE_ATTENTION)
 
     def restore() -> None:
-        model.set_attn_implementation(previous)
+        restore_attention()
         for attention in modules:
             del attention.kvq_key_scorer
 

@@ -1,15 +1,23 @@
-"""A transformers attention function for quantizers that score keys without reconstructing them.
+"""transformers attention functions that kvq registers.
 
-A key quantizer with `attention_keys` / `attention_queries` (QJL) has the cache store its sketched
-keys; this function maps queries the same way and runs SDPA, so softmax(q' . k') uses the quantizer's
-score estimator directly. Masks are SDPA's.
+kvq_score: a key quantizer with `attention_keys` / `attention_queries` (QJL) has the cache store its
+sketched keys; this function maps queries the same way and runs SDPA, so softmax(q' . k') uses the
+quantizer's score estimator directly.
+
+kvq_fused: decode steps of a fused QuantizedKVCache layer (kvq.cache.FusedLayer) attend straight
+from the packed codes; every other call (prefill, sliding layers, masked batches) is plain SDPA.
+Masks are SDPA's for both.
 """
 
+from collections.abc import Callable
+
+import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SCORE_ATTENTION = "kvq_score"
+FUSED_ATTENTION = "kvq_fused"
 
 
 def uses_score_path(quantizer) -> bool:
@@ -21,5 +29,24 @@ def score_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, queries, key, value, attention_mask, **kwargs)
 
 
-AttentionInterface.register(SCORE_ATTENTION, score_attention)
-AttentionMaskInterface.register(SCORE_ATTENTION, sdpa_mask)
+def fused_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    layer = getattr(module, "kvq_fused_layer", None)
+    if layer is not None and layer.deferred:
+        # A decode step whose update kept K/V packed: attend from the codes unless a mask forbids.
+        if query.shape[-2] == 1 and attention_mask is None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return layer.attend(query, scale), None
+        key, value = layer.materialize()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def switch_attention(model: torch.nn.Module, name: str) -> Callable[[], None]:
+    """Sets the model's attention implementation; returns the undo."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    return lambda: model.set_attn_implementation(previous)
+
+
+for _name, _function in ((SCORE_ATTENTION, score_attention), (FUSED_ATTENTION, fused_attention)):
+    AttentionInterface.register(_name, _function)
+    AttentionMaskInterface.register(_name, sdpa_mask)

@@ -1,4 +1,4 @@
-"""A transformers cache that physically stores K/V packed (SRFT paper Sec. 7.2, issue 6 item 1).
+"""A transformers cache that physically stores K/V packed (SRFT paper Sec. 7.2).
 
 Full-attention layers keep K/V as the quantizer's packed tensors (int4/int8 codes plus scales), except
 an unquantized residual window of the most recent tokens; when the window holds `residual` tokens it
@@ -6,15 +6,29 @@ is quantized as one chunk. Sliding-window layers (Gemma-3) stay DynamicCache lay
 `keep_dequantized_prefix` the dequantized prefix is kept and only a flushed chunk is decoded, so an
 update costs O(chunk) decode work rather than O(prefix); without it nothing but packed data and the
 window is held and every step decodes the whole prefix.
+
+`fused=True` swaps full-attention layers for FusedLayer: packed K/V live in growable buffers written
+by the fused quantize kernel, no dequantized prefix is kept, and decode steps (one new token) attend
+straight from the packed codes through kvq.kernels.decode_attention once `fused_decoding(model, cache)`
+routes the model's attention there. Prefill and any step the fused path cannot serve see the
+dequantized prefix plus the exact window, as QuantizedLayer returns.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvq.apply import QuantizerBank
+from kvq import kernels
+from kvq.apply import QuantizerBank, attention_modules
+from kvq.attention import FUSED_ATTENTION, switch_attention
 from kvq.errors import KvqError
-from kvq.quant.base import Packed
+from kvq.kernels.decode_attention import PackedKV, decode_attention
+from kvq.quant.base import Packed, Quantizer
+from kvq.quant.rotated import RotatedPacked, RotatedQuantizer
+from kvq.quant.scalar import ScalarQuantizer
 
 
 def tensor_bytes(packed: Packed) -> int:
@@ -83,21 +97,188 @@ class QuantizedLayer(DynamicLayer):
         raise KvqError("QuantizedKVCache cannot crop packed tokens (assisted decoding is not supported)")
 
 
+def fused_support_reason(quantizer: Quantizer) -> str | None:
+    """None when FusedLayer can hold and attend this quantizer's packing; else why not."""
+    inner = getattr(quantizer, "inner", None)
+    if not isinstance(quantizer, RotatedQuantizer) or not isinstance(inner, ScalarQuantizer):
+        return f"the fused cache holds rotated scalar quantizers, not {type(quantizer).__name__}"
+    if inner.bits not in (4, 8) or not inner.symmetric or inner.scale_dtype != torch.float32:
+        return "the fused cache holds symmetric int4/int8 codes with float32 scales"
+    if inner.granularity not in ("per_token", "per_group"):
+        return f"the fused cache needs per_token or per_group scales, not {inner.granularity}"
+    return None
+
+
+class PackedStore:
+    """One role's codes (B, H, capacity, bytes) and scales (B, H, capacity, groups), grown by 1.5x so
+    appends cost amortized O(new tokens)."""
+
+    GROWTH = 1.5
+
+    def __init__(self, bits: int, head_dim: int):
+        self.bits, self.head_dim = bits, head_dim
+        self.codes: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+        self.length = 0
+
+    @staticmethod
+    def _grown(buffer: torch.Tensor | None, like: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
+        grown = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])
+        if buffer is not None:
+            grown[..., :length, :] = buffer[..., :length, :]
+        return grown
+
+    def append(self, packed: RotatedPacked) -> None:
+        codes, scales = packed.inner.codes, packed.inner.scale.squeeze(-1)
+        end = self.length + codes.shape[-2]
+        if self.codes is None or end > self.codes.shape[-2]:
+            capacity = max(end, int(self.GROWTH * (0 if self.codes is None else self.codes.shape[-2])))
+            self.codes = self._grown(self.codes, codes, capacity, self.length)
+            self.scales = self._grown(self.scales, scales, capacity, self.length)
+        self.codes[..., self.length:end, :] = codes
+        self.scales[..., self.length:end, :] = scales
+        self.length = end
+
+    def view(self) -> PackedKV:
+        return PackedKV(self.codes[..., :self.length, :], self.scales[..., :self.length, :], self.bits, self.head_dim)
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales) if t is not None)
+
+
+class DomainMaps:
+    """Matrices between a layer's model domain and its quantizers' rotated, lambda-scaled domains.
+
+    With y = lam * (R x) the quantized coordinates: q . k = (q R^T / lam) . y_k, and
+    sum_i p_i v_i = (sum_i p_i y_v,i / lam) R, so attention runs on y and maps once at each end.
+    """
+
+    def __init__(self, key_quantizer: RotatedQuantizer, value_quantizer: RotatedQuantizer, device: torch.device):
+        def parts(quantizer):
+            rotation = quantizer.rotation.matrix().to(device)
+            if quantizer.lam is None:
+                return rotation, torch.ones(rotation.shape[0], device=device)
+            return rotation, quantizer._lam(rotation)
+
+        key_rotation, key_lam = parts(key_quantizer)
+        value_rotation, value_lam = parts(value_quantizer)
+        self.query = key_rotation.T / key_lam
+        self.to_domain = {"k": key_rotation.T * key_lam, "v": value_rotation.T * value_lam}
+        self.output = value_rotation / value_lam[:, None]
+
+
+class FusedLayer(DynamicLayer):
+    is_croppable = False
+
+    def __init__(self, bank: QuantizerBank, layer: int, residual: int):
+        super().__init__()
+        if residual < 1:
+            raise KvqError(f"residual window must hold at least one token, got {residual}")
+        self.quantizers = {role: bank.get(layer, role) for role in ("k", "v")}
+        for quantizer in self.quantizers.values():
+            reason = fused_support_reason(quantizer)
+            if reason:
+                raise KvqError(reason)
+        d = bank.geometry.head_dim
+        self.stores = {role: PackedStore(q.inner.bits, d) for role, q in self.quantizers.items()}
+        self.window = residual
+        self.raw: dict[str, torch.Tensor] = {}
+        self.rotated: dict[str, torch.Tensor] = {}
+        self.count = 0
+        self.maps: DomainMaps | None = None
+        self.deferred = False
+        self.fused_steps = 0
+
+    def lazy_initialization(self, key_states, value_states=None):
+        super().lazy_initialization(key_states, value_states)
+        self.maps = DomainMaps(self.quantizers["k"], self.quantizers["v"], key_states.device)
+        for role in ("k", "v"):
+            shape = (*key_states.shape[:-2], self.window, key_states.shape[-1])
+            self.raw[role] = key_states.new_empty(shape)
+            self.rotated[role] = key_states.new_empty(shape, dtype=torch.float32)
+
+    def _write_window(self, role: str, start: int, states: torch.Tensor) -> None:
+        end = start + states.shape[-2]
+        self.raw[role][..., start:end, :] = states
+        self.rotated[role][..., start:end, :] = states.float() @ self.maps.to_domain[role]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        states = {"k": key_states, "v": value_states}
+        if self.count + new < self.window:
+            for role in ("k", "v"):
+                self._write_window(role, self.count, states[role])
+            self.count += new
+        else:
+            pending = {role: torch.cat([self.raw[role][..., :self.count, :], states[role]], dim=-2)
+                       for role in ("k", "v")}
+            total = self.count + new
+            flush = total - total % self.window
+            for role in ("k", "v"):
+                chunk = pending[role][..., :flush, :]
+                self.stores[role].append(kernels.metered_encode(self.quantizers[role], chunk))
+                self._write_window(role, 0, pending[role][..., flush:, :])
+            self.count = total - flush
+        self.deferred = new == 1
+        if self.deferred:
+            return key_states, value_states
+        self.keys, self.values = self.materialize()
+        return self.keys, self.values
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized prefix plus the exact window, for prefill and the steps fused attention skips."""
+        out = []
+        for role in ("k", "v"):
+            window = self.raw[role][..., :self.count, :]
+            store = self.stores[role]
+            if store.length:
+                prefix = kernels.decode(self.quantizers[role], store.view().as_packed(window.dtype)).to(window.dtype)
+                window = torch.cat([prefix, window], dim=-2)
+            out.append(window)
+        return out[0], out[1]
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
+        mapped = query.squeeze(-2).float() @ self.maps.query
+        out = decode_attention(mapped, self.stores["k"].view(), self.stores["v"].view(),
+                               self.rotated["k"][..., :self.count, :], self.rotated["v"][..., :self.count, :],
+                               scaling)
+        self.fused_steps += 1
+        return (out @ self.maps.output).to(query.dtype).unsqueeze(1)
+
+    def get_seq_length(self) -> int:
+        return self.stores["k"].length + self.count if self.is_initialized else 0
+
+    def persistent_bytes(self) -> int:
+        """Allocated packed buffers (capacity, not just length) plus both window buffers."""
+        windows = sum(t.numel() * t.element_size() for buffers in (self.raw, self.rotated) for t in buffers.values())
+        return sum(store.held_bytes() for store in self.stores.values()) + windows
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvqError("QuantizedKVCache cannot crop packed tokens (assisted decoding is not supported)")
+
+
 class QuantizedKVCache(DynamicCache):
-    def __init__(self, bank: QuantizerBank, config, residual: int = 16, keep_dequantized_prefix: bool = True):
+    def __init__(self, bank: QuantizerBank, config, residual: int = 16, keep_dequantized_prefix: bool = True,
+                 fused: bool = False):
         super().__init__(config=config)
         if not self.layers:
             raise KvqError("QuantizedKVCache needs a model config with its layer types")
-        self.layers = [
-            layer if layer.is_sliding else QuantizedLayer(bank, index, residual, keep_dequantized_prefix)
-            for index, layer in enumerate(self.layers)
-        ]
+
+        def quantized_layer(index: int) -> DynamicLayer:
+            if fused:
+                return FusedLayer(bank, index, residual)
+            return QuantizedLayer(bank, index, residual, keep_dequantized_prefix)
+
+        self.layers = [layer if layer.is_sliding else quantized_layer(index) for index, layer in enumerate(self.layers)]
 
     def memory_bytes(self) -> int:
         """Bytes this cache must hold between steps (packed data, windows, sliding layers)."""
         total = 0
         for layer in self.layers:
-            if isinstance(layer, QuantizedLayer):
+            if isinstance(layer, (QuantizedLayer, FusedLayer)):
                 total += layer.persistent_bytes()
             elif layer.is_initialized:
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
@@ -107,3 +288,21 @@ class QuantizedKVCache(DynamicCache):
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
                for t in (layer.keys, layer.values))
+
+
+@contextmanager
+def fused_decoding(model: torch.nn.Module, cache: QuantizedKVCache) -> Iterator[None]:
+    """Routes the model's attention through kvq's fused decode attention for this cache's layers."""
+    fused = {index: layer for index, layer in enumerate(cache.layers) if isinstance(layer, FusedLayer)}
+    if not fused:
+        raise KvqError("fused_decoding needs a QuantizedKVCache built with fused=True")
+    modules = [m for m in attention_modules(model) if m.layer_idx in fused]
+    for module in modules:
+        module.kvq_fused_layer = fused[module.layer_idx]
+    restore = switch_attention(model, FUSED_ATTENTION)
+    try:
+        yield
+    finally:
+        restore()
+        for module in modules:
+            del module.kvq_fused_layer

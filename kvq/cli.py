@@ -276,6 +276,61 @@ def retrieval(
     typer.echo(f"appended finding {number} to {results}")
 
 
+bench_app = typer.Typer(no_args_is_help=True, help="Kernel and decode speed (JSON under runs/bench, RESULTS.md item).")
+app.add_typer(bench_app, name="bench")
+
+
+def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, results: Path) -> None:
+    from kvq.ledger import append_finding
+    from kvq.provenance import provenance
+    from kvq.store import write_json_atomic
+
+    record = {"bench": kind, "result": result, **provenance(device)}
+    path = out / f"{kind}-{record['timestamp'].replace(':', '')}.json"
+    write_json_atomic(path, record)
+    typer.echo(table)
+    git = record["git"]
+    body = "\n".join([
+        f"Command: `kvq {' '.join(sys.argv[1:])}`",
+        f"Commit: `{git['commit']}`{' (dirty)' if git['dirty'] else ''}; device: {record['device']}; "
+        f"torch {record['versions']['torch']}. Ratios are from this one run.", "", table, "", f"JSON: `{path}`",
+    ])
+    number = append_finding(results, f"kvq bench {kind} on {record['device']}", body)
+    typer.echo(f"wrote {path}; appended finding {number} to {results}")
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    vectors: int = typer.Option(262144, help="vectors for the quantize kernel"),
+    contexts: str = typer.Option("1024,8192,32768,131072", help="KV lengths for decode attention"),
+    out: Path = typer.Option(Path("runs/bench")),
+    results: Path = typer.Option(Path("RESULTS.md")),
+    device: str = device_option(),
+):
+    """Fused quantize ns/vec, GB/s and fraction of HBM bandwidth; fused int4 decode attention vs SDPA."""
+    from kvq import bench
+
+    result = bench.bench_kernels(device, vectors, tuple(int(x) for x in _floats(contexts)))
+    _record_bench("kernels", result, bench.kernels_tables(result), device, out, results)
+
+
+@bench_app.command("decode")
+def bench_decode(
+    prompts: str = typer.Option("1024,8192,32768", help="prompt lengths"),
+    new_tokens: int = typer.Option(32),
+    out: Path = typer.Option(Path("runs/bench")),
+    results: Path = typer.Option(Path("RESULTS.md")),
+    device: str = device_option(),
+):
+    """HF generate ms/token: fp16 DynamicCache vs kvq fused int4 cache (Llama-3-8B shapes, random weights)."""
+    from kvq import bench
+
+    if new_tokens < 2:
+        raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
+    result = bench.bench_decode(device, tuple(int(x) for x in _floats(prompts)), new_tokens)
+    _record_bench("decode", result, bench.decode_table(result), device, out, results)
+
+
 @app.command("list")
 def list_names():
     """Built-in models, quantizers and granularities."""

@@ -28,3 +28,7 @@ def loaded(name: str):
 def run_kvq(*args: str, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "kvq", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, check=False)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.gpu])]

@@ -46,7 +46,10 @@ class Quantizer(ABC):
         return self.decode(self.metered_encode(x))
 
     def metered_encode(self, x: torch.Tensor) -> Packed:
-        packed = self.encode(x)
+        return self.meter(self.encode(x), x.numel())
+
+    def meter(self, packed: Packed, n_elements: int) -> Packed:
+        """Adds one encode call's storage to the running totals (also for kernel-made packings)."""
         self.stored_bits += packed.storage_bits()
-        self.stored_elements += x.numel()
+        self.stored_elements += n_elements
         return packed

@@ -1,0 +1,254 @@
+"""Kernel and decode speed, measured as ratios within one run (issue: kernels and `kvq bench`).
+
+kernels: the fused quantize kernel (ns/vector, GB/s, fraction of the device's HBM bandwidth) against
+the torch reference, and fused int4 decode attention (us/step) against SDPA on fp16 K/V and against
+dequantize-then-SDPA, at Llama-3-8B-like shapes. decode: HF generate ms/token with an fp16
+DynamicCache vs kvq's fused int4 cache on a random-init model of a real architecture config.
+"""
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from kvq import kernels
+from kvq.errors import KvqError
+from kvq.kernels.decode_attention import PackedKV, decode_attention, packed_read_bytes
+from kvq.quant.packing import pack
+from kvq.quant.rotated import RotatedQuantizer
+from kvq.quant.scalar import ScalarQuantizer
+from kvq.rotations import SRFT
+
+# Datasheet HBM bandwidth (bytes/s) by device name fragment; the measured copy rate is reported beside it.
+PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H200": 4.8e12,
+                  "A100-SXM4-80GB": 2.039e12, "A100-SXM4-40GB": 1.555e12}
+
+
+def time_call(fn: Callable[[], object], device: str, repeats: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn()
+            if device == "mps":
+                torch.mps.synchronize()
+            samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
+
+
+def peak_bandwidth(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((bw for fragment, bw in PEAK_BANDWIDTH.items() if fragment in name), None)
+
+
+def copy_bandwidth(device: str, n_bytes: int = 1 << 30) -> float:
+    """Bytes read plus written per second by a device-to-device copy: what the memory system gives."""
+    source = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * n_bytes / time_call(lambda: target.copy_(source), device, repeats=10)
+
+
+def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int = 32) -> list[dict]:
+    x = torch.randn(vectors, d, device=device, dtype=torch.float16)
+    peak = peak_bandwidth(device)
+    rows = []
+    for label, granularity, lam in (("srft int4 per-token", "per_token", None),
+                                    ("srft int4 g32 + lambda", "per_group", torch.rand(d) + 0.5)):
+        quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, granularity, group), lam)
+        groups = 1 if granularity == "per_token" else d // group
+        moved = vectors * (d * 2 + d // 2 + 4 * groups)
+        fused = time_call(lambda q=quantizer: kernels.encode(q, x), device)
+        reference = time_call(lambda q=quantizer: q.encode(x), device, repeats=5)
+        packed = kernels.encode(quantizer, x)
+        inverse = time_call(lambda q=quantizer, p=packed: kernels.decode(q, p), device)
+        rows.append({
+            "kernel": label, "vectors": vectors, "d": d, "bytes_moved": moved,
+            "fused_ns_per_vector": fused / vectors * 1e9, "fused_GBps": moved / fused / 1e9,
+            "fraction_of_peak_bandwidth": moved / fused / peak if peak else None,
+            "reference_ns_per_vector": reference / vectors * 1e9, "speedup_vs_reference": reference / fused,
+            "inverse_ns_per_vector": inverse / vectors * 1e9, "inverse_GBps": moved / inverse / 1e9,
+        })
+    return rows
+
+
+def _random_packed(tokens: int, kv_heads: int, d: int, group: int, device: str) -> PackedKV:
+    codes = torch.randint(-7, 8, (1, kv_heads, tokens, d), device=device, dtype=torch.int16)
+    scales = torch.rand(1, kv_heads, tokens, d // group, device=device) * 0.1 + 0.01
+    return PackedKV(pack(codes, 4), scales, 4, d)
+
+
+def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int) -> dict:
+    quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, "per_group", group))
+    keys, values = (_random_packed(tokens, kv_heads, d, group, device) for _ in range(2))
+    window = torch.randn(1, kv_heads, 8, d, device=device)
+    query = torch.randn(1, q_heads, d, device=device)
+    fused = time_call(lambda: decode_attention(query, keys, values, window, window, d ** -0.5), device)
+    k16, v16 = (torch.randn(1, kv_heads, tokens, d, device=device, dtype=torch.float16) for _ in range(2))
+    q16 = query.half().unsqueeze(-2)
+    sdpa = time_call(lambda: F.scaled_dot_product_attention(q16, k16, v16, enable_gqa=True), device)
+    packed = [keys.as_packed(torch.float16), values.as_packed(torch.float16)]
+
+    def dequantize_then_sdpa():
+        k, v = (kernels.decode(quantizer, p).to(torch.float16) for p in packed)
+        return F.scaled_dot_product_attention(q16, k, v, enable_gqa=True)
+
+    dequant = time_call(dequantize_then_sdpa, device)
+    return {
+        "context": tokens, "q_heads": q_heads, "kv_heads": kv_heads, "d": d,
+        "fused_int4_us": fused * 1e6, "sdpa_fp16_us": sdpa * 1e6, "dequantize_then_sdpa_us": dequant * 1e6,
+        "speedup_vs_sdpa_fp16": sdpa / fused, "speedup_vs_dequantize_then_sdpa": dequant / fused,
+        "fused_GBps": packed_read_bytes(1, kv_heads, tokens, d, 4, group) / fused / 1e9,
+    }
+
+
+def bench_attention(device: str, contexts=(1024, 8192, 32768, 131072), q_heads: int = 32, kv_heads: int = 8,
+                    d: int = 128, group: int = 32) -> list[dict]:
+    return [_attention_row(device, tokens, q_heads, kv_heads, d, group) for tokens in contexts]
+
+
+def bench_kernels(device: str, vectors: int = 262144, contexts=(1024, 8192, 32768, 131072)) -> dict:
+    if not device.startswith("cuda") and device != "mps":
+        raise KvqError("kvq bench kernels times GPU kernels; run it with --device cuda or mps")
+    return {
+        "peak_bandwidth_Bps": peak_bandwidth(device), "copy_bandwidth_Bps": copy_bandwidth(device),
+        "available": kernels.available(), "quantize": bench_quantize(device, vectors),
+        "attention": bench_attention(device, contexts),
+    }
+
+
+def llama3_8b_like():
+    """Llama-3-8B's architecture (random weights: speed does not depend on them)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                       max_position_embeddings=131072)
+
+
+def _transformers_quantized_cache(config):
+    """transformers' own QuantizedCache when a backend (quanto or hqq) is installed, else None."""
+    from transformers import QuantizedCache
+
+    for backend in ("quanto", "hqq"):
+        try:
+            return QuantizedCache(backend=backend, config=config, nbits=4)
+        except Exception:  # the backend's package is missing: this baseline is skipped, and reported so
+            continue
+    return None
+
+
+def _cache_bytes(cache) -> int | None:
+    from transformers import DynamicCache
+
+    from kvq.cache import QuantizedKVCache, dynamic_cache_bytes
+
+    if isinstance(cache, QuantizedKVCache):
+        return cache.memory_bytes()
+    return dynamic_cache_bytes(cache) if type(cache) is DynamicCache else None
+
+
+def _generate_seconds(model, cache, prompt: torch.Tensor, tokens: int) -> float:
+    from kvq.cache import QuantizedKVCache, fused_decoding
+
+    routing = fused_decoding(model, cache) if isinstance(cache, QuantizedKVCache) else nullcontext()
+    with torch.no_grad(), routing:
+        _synchronize(prompt.device)
+        began = time.perf_counter()
+        model.generate(prompt, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        _synchronize(prompt.device)
+    return time.perf_counter() - began
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32, config=None) -> dict:
+    """ms/token = (time for prompt + new_tokens - time for prompt + 1 token) / (new_tokens - 1)."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    from kvq.apply import QuantizerBank, kv_geometry
+    from kvq.cache import QuantizedKVCache
+    from kvq.quant import QuantSpec
+
+    config = config or llama3_8b_like()
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.float16).eval()
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(config))
+    factories = {
+        "fp16 DynamicCache": lambda: DynamicCache(config=config),
+        "kvq fused int4 g32": lambda: QuantizedKVCache(bank, config, fused=True),
+        "transformers QuantizedCache int4": lambda: _transformers_quantized_cache(config),
+    }
+    rows = []
+    for length in prompts:
+        prompt = torch.randint(0, config.vocab_size, (1, length), device=device)
+        for label, make in factories.items():
+            row = {"prompt": length, "cache": label}
+            if make() is None:
+                rows.append(row | {"skipped": "no quantization backend (quanto or hqq) installed"})
+                continue
+            first = _generate_seconds(model, make(), prompt, 1)
+            cache = make()
+            total = _generate_seconds(model, cache, prompt, new_tokens)
+            rows.append(row | {"ms_per_token": (total - first) / (new_tokens - 1) * 1e3, "prefill_s": first,
+                               "cache_bytes": _cache_bytes(cache)})
+            del cache
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "rows": rows}
+
+
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def kernels_tables(result: dict) -> str:
+    from kvq.ledger import markdown_table
+
+    quantize = markdown_table(
+        ["kernel", "vectors x d", "ns/vec", "GB/s", "of peak BW", "vs torch reference", "inverse ns/vec"],
+        [[r["kernel"], f"{r['vectors']} x {r['d']}", _fmt(r["fused_ns_per_vector"], 2), _fmt(r["fused_GBps"]),
+          _fmt(100 * r["fraction_of_peak_bandwidth"] if r["fraction_of_peak_bandwidth"] else None) + "%",
+          _fmt(r["speedup_vs_reference"]) + "x", _fmt(r["inverse_ns_per_vector"], 2)] for r in result["quantize"]])
+    attention = markdown_table(
+        ["context", "fused int4 us", "SDPA fp16 us", "dequant+SDPA us", "vs SDPA fp16", "vs dequant+SDPA",
+         "fused GB/s"],
+        [[str(r["context"]), _fmt(r["fused_int4_us"]), _fmt(r["sdpa_fp16_us"]), _fmt(r["dequantize_then_sdpa_us"]),
+          _fmt(r["speedup_vs_sdpa_fp16"], 2) + "x", _fmt(r["speedup_vs_dequantize_then_sdpa"], 2) + "x",
+          _fmt(r["fused_GBps"])] for r in result["attention"]])
+    peak, copy = result["peak_bandwidth_Bps"], result["copy_bandwidth_Bps"]
+    bandwidth = (f"Datasheet HBM bandwidth {_fmt(peak / 1e12 if peak else None, 2)} TB/s; a device-to-device copy "
+                 f"measured {copy / 1e12:.2f} TB/s (read + write).")
+    return "\n\n".join([bandwidth, "Fused quantize (fp16 input):", quantize,
+                        "Decode attention, 32 query / 8 KV heads, d=128, int4 g32 (one step):", attention])
+
+
+def decode_table(result: dict) -> str:
+    from kvq.ledger import markdown_table
+
+    rows = []
+    for r in result["rows"]:
+        if "skipped" in r:
+            rows.append([str(r["prompt"]), r["cache"], "skipped: " + r["skipped"], "-", "-"])
+            continue
+        memory = r["cache_bytes"] / 2**20 if r["cache_bytes"] is not None else None
+        rows.append([str(r["prompt"]), r["cache"], _fmt(r["ms_per_token"], 2), _fmt(r["prefill_s"], 2),
+                     _fmt(memory)])
+    return markdown_table(["prompt", "cache", "ms/token", "prefill s", "cache MiB"], rows)

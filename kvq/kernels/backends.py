@@ -1,0 +1,79 @@
+"""Kernel builds per device type: CUDA through NVRTC, Metal through torch.mps.compile_shader.
+
+Both compile the same translation unit (kvq.kernels.source) on first use and keep it for the process.
+A backend maps a KernelPlan and (n, d) rows to (codes, scales) and back.
+"""
+
+from functools import lru_cache
+
+import torch
+
+from kvq.kernels.plan import KernelPlan
+from kvq.kernels.source import translation_unit
+
+
+class KernelBackend:
+    name = ""
+
+    def quantize(self, plan: KernelPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows.shape[0]
+        codes = torch.empty(n, plan.code_bytes, dtype=torch.uint8, device=rows.device)
+        scales = torch.empty(n, plan.groups, dtype=torch.float32, device=rows.device)
+        if n:
+            self._launch(plan, "kvq_quantize", rows.dtype, torch.float32, n,
+                         [rows, *self._constants(plan, rows.device), codes, scales])
+        return codes, scales
+
+    def dequantize(self, plan: KernelPlan, codes: torch.Tensor, scales: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+        n = codes.shape[0]
+        rows = torch.empty(n, plan.d, dtype=dtype, device=codes.device)
+        if n:
+            self._launch(plan, "kvq_dequantize", torch.float32, dtype, n,
+                         [codes, scales, *self._constants(plan, codes.device), rows])
+        return rows
+
+    @staticmethod
+    def _constants(plan: KernelPlan, device: torch.device) -> list:
+        signs = plan.signs.to(device)
+        lam = plan.lam.to(device=device, dtype=torch.float32) if plan.lam is not None else signs
+        return [signs, lam, int(plan.lam is not None)]
+
+    def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
+        raise NotImplementedError
+
+
+@lru_cache(maxsize=64)
+def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, name: str):
+    source = translation_unit("cuda", dict(defines), in_dtype, out_dtype)
+    return torch.cuda._compile_kernel(source, name)
+
+
+class CudaBackend(KernelBackend):
+    name = "cuda"
+
+    def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
+        kernel = _cuda_kernel(tuple(plan.defines().items()), in_dtype, out_dtype, name)
+        blocks = -(-n // plan.vectors_per_group)
+        kernel(grid=(blocks, 1, 1), block=(plan.threads_per_group, 1, 1), args=[*args, n])
+
+
+@lru_cache(maxsize=64)
+def _metal_library(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype):
+    return torch.mps.compile_shader(translation_unit("metal", dict(defines), in_dtype, out_dtype))
+
+
+class MetalBackend(KernelBackend):
+    name = "metal"
+
+    def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
+        library = _metal_library(tuple(plan.defines().items()), in_dtype, out_dtype)
+        device = args[0].device
+        as_buffers = [torch.tensor([a], dtype=torch.int32, device=device) if isinstance(a, int) else a
+                      for a in [*args, n]]
+        groups = -(-n // plan.vectors_per_group)
+        getattr(library, name)(*as_buffers, threads=groups * plan.threads_per_group,
+                               group_size=plan.threads_per_group)
+
+
+BACKENDS = {"cuda": CudaBackend(), "mps": MetalBackend()}

@@ -1,0 +1,240 @@
+"""Fused int4/int8 decode attention (query length 1) over a packed, rotated KV cache.
+
+Open-TQ-Metal Alg. 1 with FlashDecoding's split-K (Sec. 3.2, Eq. 5): each program reads packed K/V
+codes and their scales directly, dequantizes in registers, keeps an online softmax over its slice of
+the sequence and writes a partial (o_c, m_c, l_c); a reduce pass combines the partials. One program
+serves all query heads of a KV head (GQA), so every KV byte is read once.
+
+Everything happens in the quantizer's rotated domain: the caller maps the query by R_k^T diag(1/lam_k)
+and the output back by diag(1/lam_v) R_v, and passes the unquantized residual window already mapped
+into that domain, so the window joins the same softmax as the packed prefix.
+
+`decode_attention` dispatches to Triton on CUDA and to `decode_attention_reference` (dequantize, then
+SDPA) elsewhere; the GPU tests check the two agree.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvq.quant.packing import unpack
+from kvq.quant.rotated import RotatedPacked
+from kvq.quant.scalar import ScalarPacked
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the reference path serves
+    triton = None
+
+BLOCK_N = 64
+MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+@dataclass
+class PackedKV:
+    """Packed codes (B, H, T, d*bits/8) uint8 and fp32 scales (B, H, T, groups) of one role."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.head_dim // self.scales.shape[-1]
+
+    def as_packed(self, dtype: torch.dtype) -> RotatedPacked:
+        """The same codes as the reference quantizers' packed dataclass (for kvq.kernels.decode)."""
+        shape = (*self.codes.shape[:-1], self.head_dim)
+        return RotatedPacked(ScalarPacked(self.codes, self.scales.unsqueeze(-1), None, None, shape, dtype))
+
+    def dequantized(self) -> torch.Tensor:
+        codes = unpack(self.codes, self.bits, self.head_dim, signed=True).float()
+        groups = self.scales.shape[-1]
+        grouped = codes.view(*codes.shape[:-1], groups, self.group) * self.scales.unsqueeze(-1)
+        return grouped.view(codes.shape)
+
+
+def decode_attention_reference(query: torch.Tensor, keys: PackedKV, values: PackedKV,
+                               window_keys: torch.Tensor, window_values: torch.Tensor, scale: float) -> torch.Tensor:
+    """query (B, Hq, d) in the key domain -> (B, Hq, d) in the value domain, in the query's dtype."""
+    k = torch.cat([keys.dequantized(), window_keys.float()], dim=-2)
+    v = torch.cat([values.dequantized(), window_values.float()], dim=-2)
+    out = F.scaled_dot_product_attention(query.float().unsqueeze(-2), k, v, scale=scale,
+                                         enable_gqa=query.shape[1] != k.shape[1])
+    return out.squeeze(-2).to(query.dtype)
+
+
+def supported(keys: PackedKV, query_heads: int) -> bool:
+    return (triton is not None and keys.codes.is_cuda and keys.bits in (4, 8)
+            and keys.head_dim // 2 >= MIN_DOT and keys.head_dim & (keys.head_dim - 1) == 0
+            and query_heads % keys.codes.shape[1] == 0)
+
+
+def decode_attention(query, keys: PackedKV, values: PackedKV, window_keys, window_values, scale: float):
+    if supported(keys, query.shape[1]):
+        return _decode_attention_triton(query, keys, values, window_keys, window_values, scale)
+    return decode_attention_reference(query, keys, values, window_keys, window_values, scale)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_packed(codes_ptr, scales_ptr, tokens, valid, stride_t, scale_stride_t, BITS: tl.constexpr,
+                     HALF: tl.constexpr, GROUP: tl.constexpr):
+        """Even and odd coordinates of a (BLOCK_N, d) tile, dequantized in registers (fp16)."""
+        pairs = tl.arange(0, HALF)
+        if BITS == 4:
+            byte = tl.load(codes_ptr + tokens[:, None] * stride_t + pairs[None, :], mask=valid[:, None], other=0)
+            byte = byte.to(tl.int32)
+            even = ((byte & 0xF) ^ 8) - 8
+            odd = ((byte >> 4) ^ 8) - 8
+        else:
+            even = tl.load(codes_ptr + tokens[:, None] * stride_t + 2 * pairs[None, :], mask=valid[:, None], other=0)
+            odd = tl.load(codes_ptr + tokens[:, None] * stride_t + 2 * pairs[None, :] + 1, mask=valid[:, None], other=0)
+            even = even.to(tl.int8, bitcast=True).to(tl.int32)
+            odd = odd.to(tl.int8, bitcast=True).to(tl.int32)
+        group = (2 * pairs) // GROUP
+        scale = tl.load(scales_ptr + tokens[:, None] * scale_stride_t + group[None, :], mask=valid[:, None], other=0.0)
+        return (even.to(tl.float32) * scale).to(tl.float16), (odd.to(tl.float32) * scale).to(tl.float16)
+
+    @triton.jit
+    def _load_window(ptr, tokens, valid, stride_t, HALF: tl.constexpr):
+        pairs = tl.arange(0, HALF)
+        even = tl.load(ptr + tokens[:, None] * stride_t + 2 * pairs[None, :], mask=valid[:, None], other=0.0)
+        odd = tl.load(ptr + tokens[:, None] * stride_t + 2 * pairs[None, :] + 1, mask=valid[:, None], other=0.0)
+        return even.to(tl.float16), odd.to(tl.float16)
+
+    @triton.jit
+    def _online_softmax_step(q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd):
+        scores = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p16 = p.to(tl.float16)
+        acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
+        return m_new, l_i, acc_even, acc_odd
+
+    @triton.jit
+    def _partial_kernel(
+        q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
+        n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, scale,
+        sq_b, sq_h, skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, svc_b, svc_h, svc_t, svs_b, svs_h, svs_t,
+        skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, so_b, so_h, so_s, sm_b, sm_h,
+        GQA: tl.constexpr, GQA_PAD: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
+        K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        pid_bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid_bh // kv_heads
+        kv_head = pid_bh % kv_heads
+        rows = tl.arange(0, GQA_PAD)
+        heads = kv_head * GQA + rows
+        row_ok = rows < GQA
+        pairs = tl.arange(0, HALF)
+        q_base = q_ptr + b * sq_b + heads[:, None] * sq_h
+        q_even = (tl.load(q_base + 2 * pairs[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
+        q_odd = (tl.load(q_base + 2 * pairs[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
+        q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
+        m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GQA_PAD], tl.float32)
+        acc_even = tl.zeros([GQA_PAD, HALF], tl.float32)
+        acc_odd = tl.zeros([GQA_PAD, HALF], tl.float32)
+        if split < n_packed_splits:
+            start = split * tokens_per_split
+            end = tl.minimum(start + tokens_per_split, n_packed)
+            kc = kc_ptr + b * skc_b + kv_head * skc_h
+            ks = ks_ptr + b * sks_b + kv_head * sks_h
+            vc = vc_ptr + b * svc_b + kv_head * svc_h
+            vs = vs_ptr + b * svs_b + kv_head * svs_h
+            for t0 in range(start, end, BLOCK):
+                tokens = t0 + tl.arange(0, BLOCK)
+                valid = tokens < end
+                k_even, k_odd = _load_packed(kc, ks, tokens, valid, skc_t, sks_t, BITS, HALF, K_GROUP)
+                v_even, v_odd = _load_packed(vc, vs, tokens, valid, svc_t, svs_t, BITS, HALF, V_GROUP)
+                m_i, l_i, acc_even, acc_odd = _online_softmax_step(
+                    q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd)
+        else:
+            kw = kw_ptr + b * skw_b + kv_head * skw_h
+            vw = vw_ptr + b * svw_b + kv_head * svw_h
+            for t0 in range(0, n_window, BLOCK):
+                tokens = t0 + tl.arange(0, BLOCK)
+                valid = tokens < n_window
+                k_even, k_odd = _load_window(kw, tokens, valid, skw_t, HALF)
+                v_even, v_odd = _load_window(vw, tokens, valid, svw_t, HALF)
+                m_i, l_i, acc_even, acc_odd = _online_softmax_step(
+                    q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd)
+        o_base = o_ptr + b * so_b + heads[:, None] * so_h + split * so_s
+        tl.store(o_base + 2 * pairs[None, :], acc_even, mask=row_ok[:, None])
+        tl.store(o_base + 2 * pairs[None, :] + 1, acc_odd, mask=row_ok[:, None])
+        stat = b * sm_b + heads * sm_h + split
+        tl.store(m_ptr + stat, m_i, mask=row_ok)
+        tl.store(l_ptr + stat, l_i, mask=row_ok)
+
+    @triton.jit
+    def _reduce_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n_splits, so_bh, so_s, sm_bh, sout_bh,
+                       D: tl.constexpr, SPLITS: tl.constexpr):
+        """Eq. 5: o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c."""
+        bh = tl.program_id(0)
+        splits = tl.arange(0, SPLITS)
+        ok = splits < n_splits
+        m = tl.load(m_ptr + bh * sm_bh + splits, mask=ok, other=float("-inf"))
+        l_c = tl.load(l_ptr + bh * sm_bh + splits, mask=ok, other=0.0)
+        m_max = tl.max(m, 0)
+        weight = tl.where(ok, tl.exp(m - m_max), 0.0)
+        cols = tl.arange(0, D)
+        o = tl.load(o_ptr + bh * so_bh + splits[:, None] * so_s + cols[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(o * weight[:, None], 0) / tl.sum(l_c * weight, 0)
+        tl.store(out_ptr + bh * sout_bh + cols, out.to(out_ptr.dtype.element_ty))
+
+
+def _split_plan(n_packed: int, programs_per_split: int, device: torch.device) -> tuple[int, int]:
+    """(splits over the packed tokens, tokens per split): enough programs to fill every SM ~4 times."""
+    if n_packed == 0:
+        return 0, BLOCK_N
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(-(-target // programs_per_split), -(-n_packed // BLOCK_N)))
+    per_split = -(-n_packed // splits)
+    per_split = -(-per_split // BLOCK_N) * BLOCK_N
+    return -(-n_packed // per_split), per_split
+
+
+def _decode_attention_triton(query, keys: PackedKV, values: PackedKV, window_keys, window_values, scale):
+    batch, q_heads, d = query.shape
+    kv_heads = keys.codes.shape[1]
+    n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
+    query = query.contiguous()
+    packed_splits, per_split = _split_plan(n_packed, batch * kv_heads, query.device)
+    n_splits = packed_splits + 1  # the last program takes the residual window
+    partial = torch.empty(batch, q_heads, n_splits, d, device=query.device, dtype=torch.float32)
+    maxima = torch.empty(batch, q_heads, n_splits, device=query.device, dtype=torch.float32)
+    sums = torch.empty_like(maxima)
+    gqa = q_heads // kv_heads
+    kc, ks, vc, vs = keys.codes, keys.scales, values.codes, values.scales
+    _partial_kernel[(batch * kv_heads, n_splits)](
+        query, kc, ks, vc, vs, window_keys, window_values, partial, maxima, sums,
+        n_packed, n_window, per_split, packed_splits, kv_heads, scale,
+        query.stride(0), query.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2), window_keys.stride(0), window_keys.stride(1),
+        window_keys.stride(2), window_values.stride(0), window_values.stride(1), window_values.stride(2),
+        partial.stride(0), partial.stride(1), partial.stride(2), maxima.stride(0), maxima.stride(1),
+        GQA=gqa, GQA_PAD=max(MIN_DOT, triton.next_power_of_2(gqa)), HALF=d // 2, BITS=keys.bits,
+        K_GROUP=keys.group, V_GROUP=values.group, BLOCK=BLOCK_N,
+    )
+    out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
+    _reduce_kernel[(batch * q_heads,)](
+        partial, maxima, sums, out, n_splits, partial.stride(1), partial.stride(2), maxima.stride(1), out.stride(1),
+        D=d, SPLITS=triton.next_power_of_2(n_splits),
+    )
+    return out
+
+
+def packed_read_bytes(batch: int, kv_heads: int, tokens: int, d: int, bits: int, group: int) -> int:
+    """Bytes a decode step reads from the packed cache: codes and fp32 scales of K and V."""
+    return 2 * batch * kv_heads * tokens * (d * bits // 8 + 4 * d // group)

@@ -1,0 +1,80 @@
+"""Which quantizers the fused kernels implement, and the constants a kernel build needs.
+
+A kernel covers RotatedQuantizer(identity | SRHT | SRFT, symmetric int4/int8 with fp32 scales per
+token or per power-of-two group, optional lambda) at power-of-two head_dim: the SRFT paper's fused
+kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Anything else keeps the torch reference.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvq.quant.rotated import RotatedQuantizer
+from kvq.quant.scalar import ScalarQuantizer
+from kvq.rotations import SRFT, SRHT, Identity
+
+ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
+KERNEL_BITS = (4, 8)
+THREADS_PER_GROUP = 128
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    d: int
+    bits: int
+    group: int
+    rotation: int
+    signs: torch.Tensor
+    lam: torch.Tensor | None
+
+    @property
+    def vectors_per_group(self) -> int:
+        return max(1, THREADS_PER_GROUP // (self.d // 2))
+
+    @property
+    def threads_per_group(self) -> int:
+        return self.vectors_per_group * self.d // 2
+
+    @property
+    def code_bytes(self) -> int:
+        return self.d * self.bits // 8
+
+    @property
+    def groups(self) -> int:
+        return self.d // self.group
+
+    def defines(self) -> dict[str, int]:
+        return {"KVQ_D": self.d, "KVQ_GROUP": self.group, "KVQ_BITS": self.bits, "KVQ_ROT": self.rotation,
+                "KVQ_VPB": self.vectors_per_group}
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def unsupported_reason(quantizer) -> str | None:
+    """None when a fused kernel implements this quantizer exactly; else why not."""
+    if not isinstance(quantizer, RotatedQuantizer) or not isinstance(quantizer.inner, ScalarQuantizer):
+        return f"{type(quantizer).__name__} is not a rotated scalar quantizer"
+    inner = quantizer.inner
+    if type(quantizer.rotation) not in ROTATION_CODES:
+        return f"rotation {type(quantizer.rotation).__name__} has no kernel (learned rotations run in torch)"
+    if inner.bits not in KERNEL_BITS or not inner.symmetric or inner.scale_dtype != torch.float32:
+        return "kernels pack symmetric int4/int8 with float32 scales"
+    d = quantizer.rotation.d
+    if not _power_of_two(d) or not 8 <= d <= 512:
+        return f"kernels need a power-of-two head_dim in 8..512, got {d}"
+    if inner.granularity == "per_group" and not (_power_of_two(inner.group_size) and inner.group_size >= 2):
+        return f"kernels need a power-of-two group size >= 2, got {inner.group_size}"
+    if inner.granularity not in ("per_token", "per_group"):
+        return f"granularity {inner.granularity} has no kernel (per_channel scales span tokens)"
+    return None
+
+
+def plan_for(quantizer) -> KernelPlan | None:
+    if unsupported_reason(quantizer) is not None:
+        return None
+    inner, rotation = quantizer.inner, quantizer.rotation
+    group = rotation.d if inner.granularity == "per_token" else inner.group_size
+    signs = getattr(rotation, "signs", torch.ones(rotation.d))
+    return KernelPlan(rotation.d, inner.bits, group, ROTATION_CODES[type(rotation)], signs.float(), quantizer.lam)

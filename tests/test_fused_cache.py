@@ -1,0 +1,101 @@
+"""FusedLayer keeps QuantizedLayer's semantics while attending from packed codes.
+
+On CPU the kernels fall back to the torch reference, so these tests pin the layer logic (window,
+flush, domain maps, split attention); on CUDA the same tests run the NVRTC and Triton kernels.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICES
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
+from kvq.cache import FusedLayer, QuantizedKVCache, QuantizedLayer, fused_decoding, fused_support_reason
+from kvq.errors import KvqError
+from kvq.quant import QuantSpec
+
+
+def llama_config(head_dim=64, layers=2, q_heads=8, kv_heads=2):
+    return LlamaConfig(num_hidden_layers=layers, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                       hidden_size=q_heads * head_dim, head_dim=head_dim, intermediate_size=128, vocab_size=97)
+
+
+def reference_attention(query, keys, values, scale):
+    out = F.scaled_dot_product_attention(query.float(), keys.float(), values.float(), scale=scale,
+                                         enable_gqa=query.shape[1] != keys.shape[1])
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", [QuantSpec("srft", 4, "per_group", 32), QuantSpec("srht", 8),
+                                  QuantSpec("int", 4, "per_token")])
+def test_fused_layer_attends_like_dequantized_reference(device, spec):
+    d, kv_heads, q_heads = 128, 2, 8
+    bank = QuantizerBank(spec, KVGeometry(1, kv_heads, d))
+    bank.get(0, "k").lam = torch.rand(d) + 0.5  # a calibrated lambda must round-trip through the maps
+    reference, fused = QuantizedLayer(bank, 0, 16, True), FusedLayer(bank, 0, 16)
+    generator = torch.Generator().manual_seed(3)
+
+    def states(tokens):
+        return [torch.randn(1, kv_heads, tokens, d, generator=generator).to(device) for _ in range(2)]
+
+    k, v = states(37)
+    ref_k, ref_v = reference.update(k, v)
+    fused_k, fused_v = fused.update(k, v)
+    assert not fused.deferred and fused.get_seq_length() == 37 == reference.get_seq_length()
+    torch.testing.assert_close(fused_k, ref_k, atol=2e-5, rtol=0)
+    torch.testing.assert_close(fused_v, ref_v, atol=2e-5, rtol=0)
+    for step in range(20):
+        k, v = states(1)
+        ref_k, ref_v = reference.update(k, v)
+        fused.update(k, v)
+        assert fused.deferred and fused.get_seq_length() == 38 + step
+        query = torch.randn(1, q_heads, 1, d, generator=generator).to(device)
+        expected = reference_attention(query, ref_k, ref_v, d ** -0.5)
+        torch.testing.assert_close(fused.attend(query, d ** -0.5).float(), expected, atol=2e-3, rtol=0)
+    assert fused.stores["k"].length == 48 and fused.count == 9
+
+
+def test_fused_memory_counts_allocated_buffers():
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), KVGeometry(1, 2, 128))
+    layer = FusedLayer(bank, 0, 16)
+    layer.update(torch.randn(1, 2, 1030, 128).half(), torch.randn(1, 2, 1030, 128).half())
+    # codes 64 B + 4 fp32 scales per token for 1024 packed tokens; windows hold 16 fp16 raw + 16 fp32 rotated
+    per_role = 2 * (1024 * (64 + 16) + 16 * 128 * (2 + 4))
+    assert layer.persistent_bytes() == 2 * per_role
+
+
+def test_fused_cache_refuses_what_it_cannot_hold():
+    assert fused_support_reason(QuantizerBank(QuantSpec("srft", 4), KVGeometry(1, 1, 64)).get(0, "k")) is None
+    for spec in (QuantSpec("srft", 3), QuantSpec("int", 4, "per_channel"), QuantSpec("hqmq", 4)):
+        bank = QuantizerBank(spec, KVGeometry(1, 1, 64))
+        with pytest.raises(KvqError):
+            FusedLayer(bank, 0, 16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_decoding_generate_matches_reference_cache(device):
+    torch.manual_seed(0)
+    config = llama_config()
+    model = LlamaForCausalLM(config).to(device).eval()
+    bank = QuantizerBank(QuantSpec("srft", 8, "per_group", 32), kv_geometry(config))
+    prompt = torch.randint(0, config.vocab_size, (1, 21), device=device)
+    options = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model.generate(prompt, past_key_values=QuantizedKVCache(bank, config), **options)
+        cache = QuantizedKVCache(bank, config, fused=True)
+        with fused_decoding(model, cache):
+            got = model.generate(prompt, past_key_values=cache, **options)
+    assert model.config._attn_implementation != "kvq_fused"
+    assert all(layer.fused_steps == 11 for layer in cache.layers)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), atol=1e-3, rtol=0)
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_fused_decoding_needs_a_fused_cache():
+    config = llama_config()
+    model = LlamaForCausalLM(config)
+    bank = QuantizerBank(QuantSpec("srft", 4), kv_geometry(config))
+    with pytest.raises(KvqError, match="fused=True"), fused_decoding(model, QuantizedKVCache(bank, config)):
+        pass
