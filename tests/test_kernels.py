@@ -116,7 +116,10 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
     assert kernels.unsupported_reason(q) is None
     scale, ref_scale = packed.inner.scale, expected.inner.scale
     assert scale.shape == ref_scale.shape and scale.dtype == ref_scale.dtype == torch.float32
-    torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
+    # Rotation arithmetic errs by ~1e-7 of a vector's norm, so a scale is compared relative to the largest
+    # scale of its vector: exactly 1e-6 relative for per-token scales, and fair to tiny groups.
+    vector_max = ref_scale.amax(dim=(-2, -1), keepdim=True)
+    assert ((scale - ref_scale).abs() <= 1e-6 * vector_max).all()
     codes = unpack(packed.inner.codes, bits, d, signed=True)
     ref_codes = unpack(expected.inner.codes, bits, d, signed=True)
     differ = codes != ref_codes

@@ -30,6 +30,7 @@ except ImportError:  # CPU installs: the reference path serves
 
 BLOCK_N = 64
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
+WIDE_HEAD = 256  # from this head_dim on, shallower pipelining keeps the K/V tiles inside shared memory
 
 
 @dataclass
@@ -225,7 +226,7 @@ def _decode_attention_triton(query, keys: PackedKV, values: PackedKV, window_key
         window_keys.stride(2), window_values.stride(0), window_values.stride(1), window_values.stride(2),
         partial.stride(0), partial.stride(1), partial.stride(2), maxima.stride(0), maxima.stride(1),
         GQA=gqa, GQA_PAD=max(MIN_DOT, triton.next_power_of_2(gqa)), HALF=d // 2, BITS=keys.bits,
-        K_GROUP=keys.group, V_GROUP=values.group, BLOCK=BLOCK_N,
+        K_GROUP=keys.group, V_GROUP=values.group, BLOCK=BLOCK_N, num_stages=1 if d >= WIDE_HEAD else 3,
     )
     out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
     _reduce_kernel[(batch * q_heads,)](
