@@ -17,8 +17,9 @@
 #define KVQ_QMAX ((1 << (KVQ_BITS - 1)) - 1)
 #define KVQ_GROUPS (KVQ_D / KVQ_GROUP)
 #define KVQ_CODE_BYTES (KVQ_D * KVQ_BITS / 8)
-// Per threadgroup scratch, in floats: two FFT ping-pong buffers plus the reduction lanes.
-#define KVQ_SMEM_FLOATS (KVQ_VPB * (2 * KVQ_D + KVQ_HALF))
+// Per threadgroup scratch, in floats: two FFT ping-pong buffers and the reduction lanes per vector,
+// then one shared twiddle table (cos, sin of pi k / (D/2)).
+#define KVQ_SMEM_FLOATS (KVQ_VPB * (2 * KVQ_D + KVQ_HALF) + KVQ_D)
 
 KVQ_DEVICE_FN uint kvq_bit_reverse(uint value, uint bits) {
     uint out = 0;
@@ -34,10 +35,20 @@ KVQ_DEVICE_FN uint kvq_log2(uint value) {
     return bits;
 }
 
+// twiddles[2k], twiddles[2k+1] = cos, sin of pi k / (D/2) for k < D/2: one cospi/sinpi per thread
+// instead of one per butterfly. Stage m's angle pi k / m is entry k * (D/2) / m, the same float.
+KVQ_DEVICE_FN void kvq_fill_twiddles(KVQ_SMEM float* twiddles, uint tid) {
+    if (tid < KVQ_HALF) {
+        twiddles[2 * tid] = kvq_cospi((float)tid / (float)KVQ_HALF);
+        twiddles[2 * tid + 1] = kvq_sinpi((float)tid / (float)KVQ_HALF);
+    }
+}
+
 // Radix-2 decimation-in-time FFT of length KVQ_HALF on (re, im) held at index j of `src`, after a
 // bit-reversed load by the caller. sign = -1 forward, +1 inverse (unnormalized). Returns the buffer
 // that holds the result (ping-pong between the two halves of the scratch).
-KVQ_DEVICE_FN KVQ_SMEM float* kvq_fft(KVQ_SMEM float* src, KVQ_SMEM float* dst, uint j, float sign) {
+KVQ_DEVICE_FN KVQ_SMEM float* kvq_fft(KVQ_SMEM float* src, KVQ_SMEM float* dst, KVQ_SMEM const float* twiddles,
+                                      uint j, float sign) {
     for (uint m = 1; m < KVQ_HALF; m <<= 1) {
         KVQ_BARRIER();
         uint pos = j % (2 * m);
@@ -45,8 +56,9 @@ KVQ_DEVICE_FN KVQ_SMEM float* kvq_fft(KVQ_SMEM float* src, KVQ_SMEM float* dst, 
         uint top = pos < m;
         uint i0 = j - pos + k;
         uint i1 = i0 + m;
-        float wr = kvq_cospi((float)k / (float)m);
-        float wi = sign * kvq_sinpi((float)k / (float)m);
+        uint entry = k * (KVQ_HALF / m);
+        float wr = twiddles[2 * entry];
+        float wi = sign * twiddles[2 * entry + 1];
         float br = src[i1], bi = src[KVQ_HALF + i1];
         float tr = wr * br - wi * bi;
         float ti = wr * bi + wi * br;
@@ -75,7 +87,8 @@ KVQ_DEVICE_FN void kvq_fwht(KVQ_SMEM float* buf, uint j) {
 }
 
 // Forward rotation of (a, b) = signed coordinates (2j, 2j+1); leaves the rotated vector in y[0..D).
-KVQ_DEVICE_FN void kvq_rotate_forward(float a, float b, KVQ_SMEM float* scratch, KVQ_SMEM float* y, uint j) {
+KVQ_DEVICE_FN void kvq_rotate_forward(float a, float b, KVQ_SMEM float* scratch, KVQ_SMEM float* y,
+                                      KVQ_SMEM const float* twiddles, uint j) {
 #if KVQ_ROT == 0
     y[2 * j] = a;
     y[2 * j + 1] = b;
@@ -95,14 +108,14 @@ KVQ_DEVICE_FN void kvq_rotate_forward(float a, float b, KVQ_SMEM float* scratch,
     uint r = kvq_bit_reverse(j, kvq_log2(KVQ_HALF));
     scratch[r] = a;
     scratch[KVQ_HALF + r] = b;
-    KVQ_SMEM float* z = kvq_fft(scratch, y, j, -1.0f);
+    KVQ_SMEM float* z = kvq_fft(scratch, y, twiddles, j, -1.0f);
     uint mirror = (KVQ_HALF - j) % KVQ_HALF;
     float zr = z[j], zi = z[KVQ_HALF + j];
     float cr = z[mirror], ci = -z[KVQ_HALF + mirror];  // conj(Z_{n-j})
     float er = 0.5f * (zr + cr), ei = 0.5f * (zi + ci);  // E_j
     float dr = zr - cr, di = zi - ci;                    // O_j = (Z_j - conj Z_{n-j}) / 2i
     float or_ = 0.5f * di, oi = -0.5f * dr;
-    float wr = kvq_cospi((float)j / (float)KVQ_HALF), wi = -kvq_sinpi((float)j / (float)KVQ_HALF);
+    float wr = twiddles[2 * j], wi = -twiddles[2 * j + 1];
     float xr = er + wr * or_ - wi * oi;
     float xi = ei + wr * oi + wi * or_;
     float norm = kvq_rsqrt((float)KVQ_D);
@@ -120,7 +133,8 @@ KVQ_DEVICE_FN void kvq_rotate_forward(float a, float b, KVQ_SMEM float* scratch,
 }
 
 // Inverse rotation of the vector in y[0..D); returns the unsigned coordinates (2j, 2j+1).
-KVQ_DEVICE_FN float2 kvq_rotate_inverse(KVQ_SMEM float* scratch, KVQ_SMEM float* y, uint j) {
+KVQ_DEVICE_FN float2 kvq_rotate_inverse(KVQ_SMEM float* scratch, KVQ_SMEM float* y, KVQ_SMEM const float* twiddles,
+                                        uint j) {
 #if KVQ_ROT == 0
     return kvq_float2(y[2 * j], y[2 * j + 1]);
 #elif KVQ_ROT == 1
@@ -140,13 +154,13 @@ KVQ_DEVICE_FN float2 kvq_rotate_inverse(KVQ_SMEM float* scratch, KVQ_SMEM float*
     // E_j = (X_j + conj X_{n-j}) / 2, O_j = (X_j - conj X_{n-j}) e^{+2 pi i j / D} / 2
     float er = 0.5f * (xr + mr), ei = 0.5f * (xi - mi);
     float dr = 0.5f * (xr - mr), di = 0.5f * (xi + mi);
-    float wr = kvq_cospi((float)j / (float)KVQ_HALF), wi = kvq_sinpi((float)j / (float)KVQ_HALF);
+    float wr = twiddles[2 * j], wi = twiddles[2 * j + 1];
     float or_ = wr * dr - wi * di, oi = wr * di + wi * dr;
     uint r = kvq_bit_reverse(j, kvq_log2(KVQ_HALF));
     KVQ_BARRIER();
     scratch[r] = er - oi;        // Z_j = E_j + i O_j
     scratch[KVQ_HALF + r] = ei + or_;
-    KVQ_SMEM float* z = kvq_fft(scratch, y, j, 1.0f);
+    KVQ_SMEM float* z = kvq_fft(scratch, y, twiddles, j, 1.0f);
     float norm = 2.0f * kvq_rsqrt((float)KVQ_D);
     return kvq_float2(z[j] * norm, z[KVQ_HALF + j] * norm);
 #endif
@@ -167,12 +181,15 @@ KVQ_DEVICE_FN void kvq_quantize_body(
     KVQ_SMEM float* scratch = smem + local * 2 * KVQ_D;
     KVQ_SMEM float* y = scratch + KVQ_D;
     KVQ_SMEM float* lanes = smem + KVQ_VPB * 2 * KVQ_D + local * KVQ_HALF;
+    KVQ_SMEM float* twiddles = smem + KVQ_VPB * (2 * KVQ_D + KVQ_HALF);
+    kvq_fill_twiddles(twiddles, tid);
     float a = 0.0f, b = 0.0f;
     if (active) {
         a = kvq_load_in(x, vec * KVQ_D + 2 * j) * signs[2 * j];
         b = kvq_load_in(x, vec * KVQ_D + 2 * j + 1) * signs[2 * j + 1];
     }
-    kvq_rotate_forward(a, b, scratch, y, j);
+    KVQ_BARRIER();
+    kvq_rotate_forward(a, b, scratch, y, twiddles, j);
     float v0 = y[2 * j], v1 = y[2 * j + 1];
     if (has_lam) {
         v0 *= kvq_lambda(lam, 2 * j);
@@ -216,6 +233,8 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
     uint active = vec < n;
     KVQ_SMEM float* scratch = smem + local * 2 * KVQ_D;
     KVQ_SMEM float* y = scratch + KVQ_D;
+    KVQ_SMEM float* twiddles = smem + KVQ_VPB * (2 * KVQ_D + KVQ_HALF);
+    kvq_fill_twiddles(twiddles, tid);
     float v0 = 0.0f, v1 = 0.0f;
     if (active) {
 #if KVQ_BITS == 4
@@ -236,7 +255,7 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
     y[2 * j] = v0;
     y[2 * j + 1] = v1;
     KVQ_BARRIER();
-    float2 out = kvq_rotate_inverse(scratch, y, j);
+    float2 out = kvq_rotate_inverse(scratch, y, twiddles, j);
     if (active) {
         kvq_store_out(x, vec * KVQ_D + 2 * j, out.x * signs[2 * j]);
         kvq_store_out(x, vec * KVQ_D + 2 * j + 1, out.y * signs[2 * j + 1]);

@@ -140,7 +140,8 @@ def _random_packed(batch, heads, tokens, d, bits, group, generator):
     codes = torch.randint(low, high, (batch, heads, tokens, d), generator=generator)
     from kvq.quant.packing import pack
 
-    scales = torch.rand(batch, heads, tokens, d // group, generator=generator) * 0.3 + 0.05
+    # K/V of unit scale whatever the width: codes span +-qmax, so scales shrink as bits grow
+    scales = (torch.rand(batch, heads, tokens, d // group, generator=generator) * 0.3 + 0.05) * 7 / (high - 1)
     return PackedKV(pack(codes, bits).cuda(), scales.cuda(), bits, d)
 
 

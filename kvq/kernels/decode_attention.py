@@ -14,6 +14,7 @@ SDPA) elsewhere; the GPU tests check the two agree.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -83,29 +84,38 @@ def decode_attention(query, keys: PackedKV, values: PackedKV, window_keys, windo
 if triton is not None:
 
     @triton.jit
-    def _load_packed(codes_ptr, scales_ptr, tokens, valid, stride_t, scale_stride_t, BITS: tl.constexpr,
-                     HALF: tl.constexpr, GROUP: tl.constexpr):
-        """Even and odd coordinates of a (BLOCK_N, d) tile, dequantized in registers (fp16)."""
+    def _load_packed(codes_ptr, scales_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr,
+                     GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+        """Even and odd coordinates of a (BLOCK, d) tile, dequantized in registers (fp16).
+
+        codes_ptr / scales_ptr point at this head's rows (HALF * BITS // 4 bytes, GROUPS scales each);
+        a group's scale is loaded once and broadcast over its GROUP / 2 pairs.
+        """
         pairs = tl.arange(0, HALF)
+        row_bytes: tl.constexpr = HALF * BITS // 4
         if BITS == 4:
-            byte = tl.load(codes_ptr + tokens[:, None] * stride_t + pairs[None, :], mask=valid[:, None], other=0)
+            byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + pairs[None, :], mask=valid[:, None], other=0)
             byte = byte.to(tl.int32)
             even = ((byte & 0xF) ^ 8) - 8
             odd = ((byte >> 4) ^ 8) - 8
         else:
-            even = tl.load(codes_ptr + tokens[:, None] * stride_t + 2 * pairs[None, :], mask=valid[:, None], other=0)
-            odd = tl.load(codes_ptr + tokens[:, None] * stride_t + 2 * pairs[None, :] + 1, mask=valid[:, None], other=0)
-            even = even.to(tl.int8, bitcast=True).to(tl.int32)
-            odd = odd.to(tl.int8, bitcast=True).to(tl.int32)
-        group = (2 * pairs) // GROUP
-        scale = tl.load(scales_ptr + tokens[:, None] * scale_stride_t + group[None, :], mask=valid[:, None], other=0.0)
-        return (even.to(tl.float32) * scale).to(tl.float16), (odd.to(tl.float32) * scale).to(tl.float16)
+            at = codes_ptr + tokens[:, None] * row_bytes + 2 * pairs[None, :]
+            even = tl.load(at, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.int32)
+            odd = tl.load(at + 1, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.int32)
+        groups = tl.arange(0, GROUPS)
+        scale = tl.load(scales_ptr + tokens[:, None] * GROUPS + groups[None, :], mask=valid[:, None], other=0.0)
+        per_group: tl.constexpr = HALF // GROUPS
+        even = tl.reshape(tl.reshape(even.to(tl.float32), (BLOCK, GROUPS, per_group)) * scale[:, :, None],
+                          (BLOCK, HALF))
+        odd = tl.reshape(tl.reshape(odd.to(tl.float32), (BLOCK, GROUPS, per_group)) * scale[:, :, None],
+                         (BLOCK, HALF))
+        return even.to(tl.float16), odd.to(tl.float16)
 
     @triton.jit
-    def _load_window(ptr, tokens, valid, stride_t, HALF: tl.constexpr):
+    def _load_window(ptr, tokens, valid, HALF: tl.constexpr):
         pairs = tl.arange(0, HALF)
-        even = tl.load(ptr + tokens[:, None] * stride_t + 2 * pairs[None, :], mask=valid[:, None], other=0.0)
-        odd = tl.load(ptr + tokens[:, None] * stride_t + 2 * pairs[None, :] + 1, mask=valid[:, None], other=0.0)
+        even = tl.load(ptr + tokens[:, None] * (2 * HALF) + 2 * pairs[None, :], mask=valid[:, None], other=0.0)
+        odd = tl.load(ptr + tokens[:, None] * (2 * HALF) + 2 * pairs[None, :] + 1, mask=valid[:, None], other=0.0)
         return even.to(tl.float16), odd.to(tl.float16)
 
     @triton.jit
@@ -121,24 +131,24 @@ if triton is not None:
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
         return m_new, l_i, acc_even, acc_odd
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_packed", "n_window", "tokens_per_split", "n_packed_splits"])
     def _partial_kernel(
         q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
-        n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, scale,
-        sq_b, sq_h, skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, svc_b, svc_h, svc_t, svs_b, svs_h, svs_t,
-        skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, so_b, so_h, so_s, sm_b, sm_h,
+        n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA: tl.constexpr, GQA_PAD: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
-        K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BLOCK: tl.constexpr,
+        K_GROUPS: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
     ):
+        """Codes and scales are (B, Hkv, capacity, .) buffers, windows (B, Hkv, window_capacity, d), all
+        contiguous; q (B, Hq, d); partials (B, Hq, splits, d) and (B, Hq, splits)."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
+        n_splits = tl.num_programs(1)
         b = pid_bh // kv_heads
-        kv_head = pid_bh % kv_heads
         rows = tl.arange(0, GQA_PAD)
-        heads = kv_head * GQA + rows
+        heads = (pid_bh % kv_heads) * GQA + rows
         row_ok = rows < GQA
         pairs = tl.arange(0, HALF)
-        q_base = q_ptr + b * sq_b + heads[:, None] * sq_h
+        q_base = q_ptr + (b * kv_heads * GQA + heads[:, None]) * (2 * HALF)
         q_even = (tl.load(q_base + 2 * pairs[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
         q_odd = (tl.load(q_base + 2 * pairs[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
         q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
@@ -146,63 +156,74 @@ if triton is not None:
         l_i = tl.zeros([GQA_PAD], tl.float32)
         acc_even = tl.zeros([GQA_PAD, HALF], tl.float32)
         acc_odd = tl.zeros([GQA_PAD, HALF], tl.float32)
+        row = pid_bh.to(tl.int64) * capacity
         if split < n_packed_splits:
             start = split * tokens_per_split
             end = tl.minimum(start + tokens_per_split, n_packed)
-            kc = kc_ptr + b * skc_b + kv_head * skc_h
-            ks = ks_ptr + b * sks_b + kv_head * sks_h
-            vc = vc_ptr + b * svc_b + kv_head * svc_h
-            vs = vs_ptr + b * svs_b + kv_head * svs_h
+            kc = kc_ptr + row * (HALF * BITS // 4)
+            vc = vc_ptr + row * (HALF * BITS // 4)
+            ks = ks_ptr + row * K_GROUPS
+            vs = vs_ptr + row * V_GROUPS
             for t0 in range(start, end, BLOCK):
                 tokens = t0 + tl.arange(0, BLOCK)
                 valid = tokens < end
-                k_even, k_odd = _load_packed(kc, ks, tokens, valid, skc_t, sks_t, BITS, HALF, K_GROUP)
-                v_even, v_odd = _load_packed(vc, vs, tokens, valid, svc_t, svs_t, BITS, HALF, V_GROUP)
+                k_even, k_odd = _load_packed(kc, ks, tokens, valid, BITS, HALF, K_GROUPS, BLOCK)
+                v_even, v_odd = _load_packed(vc, vs, tokens, valid, BITS, HALF, V_GROUPS, BLOCK)
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
                     q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd)
         else:
-            kw = kw_ptr + b * skw_b + kv_head * skw_h
-            vw = vw_ptr + b * svw_b + kv_head * svw_h
+            window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)
             for t0 in range(0, n_window, BLOCK):
                 tokens = t0 + tl.arange(0, BLOCK)
                 valid = tokens < n_window
-                k_even, k_odd = _load_window(kw, tokens, valid, skw_t, HALF)
-                v_even, v_odd = _load_window(vw, tokens, valid, svw_t, HALF)
+                k_even, k_odd = _load_window(kw_ptr + window_row, tokens, valid, HALF)
+                v_even, v_odd = _load_window(vw_ptr + window_row, tokens, valid, HALF)
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
                     q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd)
-        o_base = o_ptr + b * so_b + heads[:, None] * so_h + split * so_s
+        stat = (b * kv_heads * GQA + heads) * n_splits + split
+        o_base = o_ptr + stat[:, None] * (2 * HALF)
         tl.store(o_base + 2 * pairs[None, :], acc_even, mask=row_ok[:, None])
         tl.store(o_base + 2 * pairs[None, :] + 1, acc_odd, mask=row_ok[:, None])
-        stat = b * sm_b + heads * sm_h + split
         tl.store(m_ptr + stat, m_i, mask=row_ok)
         tl.store(l_ptr + stat, l_i, mask=row_ok)
 
     @triton.jit
-    def _reduce_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n_splits, so_bh, so_s, sm_bh, sout_bh,
-                       D: tl.constexpr, SPLITS: tl.constexpr):
-        """Eq. 5: o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c."""
+    def _reduce_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n_splits, D: tl.constexpr, SPLITS: tl.constexpr):
+        """Eq. 5: o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c, one program per (batch, query head)."""
         bh = tl.program_id(0)
         splits = tl.arange(0, SPLITS)
         ok = splits < n_splits
-        m = tl.load(m_ptr + bh * sm_bh + splits, mask=ok, other=float("-inf"))
-        l_c = tl.load(l_ptr + bh * sm_bh + splits, mask=ok, other=0.0)
+        m = tl.load(m_ptr + bh * n_splits + splits, mask=ok, other=float("-inf"))
+        l_c = tl.load(l_ptr + bh * n_splits + splits, mask=ok, other=0.0)
         m_max = tl.max(m, 0)
         weight = tl.where(ok, tl.exp(m - m_max), 0.0)
         cols = tl.arange(0, D)
-        o = tl.load(o_ptr + bh * so_bh + splits[:, None] * so_s + cols[None, :], mask=ok[:, None], other=0.0)
+        o = tl.load(o_ptr + (bh * n_splits + splits[:, None]) * D + cols[None, :], mask=ok[:, None], other=0.0)
         out = tl.sum(o * weight[:, None], 0) / tl.sum(l_c * weight, 0)
-        tl.store(out_ptr + bh * sout_bh + cols, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
+
+
+@lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _split_plan(n_packed: int, programs_per_split: int, device: torch.device) -> tuple[int, int]:
     """(splits over the packed tokens, tokens per split): enough programs to fill every SM ~4 times."""
     if n_packed == 0:
         return 0, BLOCK_N
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 4 * _multiprocessors(device)
     splits = max(1, min(-(-target // programs_per_split), -(-n_packed // BLOCK_N)))
     per_split = -(-n_packed // splits)
     per_split = -(-per_split // BLOCK_N) * BLOCK_N
     return -(-n_packed // per_split), per_split
+
+
+def _rows_buffer(t: torch.Tensor) -> int:
+    """Rows allocated per (batch, head) of a (B, H, rows, width) view into a contiguous buffer."""
+    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] or t.stride(0) != t.shape[1] * t.stride(1):
+        raise ValueError("decode attention needs views of contiguous (B, H, rows, width) buffers")
+    return t.stride(1) // t.shape[-1]
 
 
 def _decode_attention_triton(query, keys: PackedKV, values: PackedKV, window_keys, window_values, scale):
@@ -210,29 +231,28 @@ def _decode_attention_triton(query, keys: PackedKV, values: PackedKV, window_key
     kv_heads = keys.codes.shape[1]
     n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
     query = query.contiguous()
+    capacity = _rows_buffer(keys.codes)
+    if not (capacity == _rows_buffer(keys.scales) == _rows_buffer(values.codes) == _rows_buffer(values.scales)):
+        raise ValueError("packed K and V codes and scales must share one row capacity")
+    window_capacity = _rows_buffer(window_keys)
+    if _rows_buffer(window_values) != window_capacity:
+        raise ValueError("window K and V must share one row capacity")
     packed_splits, per_split = _split_plan(n_packed, batch * kv_heads, query.device)
     n_splits = packed_splits + 1  # the last program takes the residual window
     partial = torch.empty(batch, q_heads, n_splits, d, device=query.device, dtype=torch.float32)
     maxima = torch.empty(batch, q_heads, n_splits, device=query.device, dtype=torch.float32)
     sums = torch.empty_like(maxima)
     gqa = q_heads // kv_heads
-    kc, ks, vc, vs = keys.codes, keys.scales, values.codes, values.scales
     _partial_kernel[(batch * kv_heads, n_splits)](
-        query, kc, ks, vc, vs, window_keys, window_values, partial, maxima, sums,
-        n_packed, n_window, per_split, packed_splits, kv_heads, scale,
-        query.stride(0), query.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        vs.stride(0), vs.stride(1), vs.stride(2), window_keys.stride(0), window_keys.stride(1),
-        window_keys.stride(2), window_values.stride(0), window_values.stride(1), window_values.stride(2),
-        partial.stride(0), partial.stride(1), partial.stride(2), maxima.stride(0), maxima.stride(1),
+        query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial, maxima,
+        sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA=gqa, GQA_PAD=max(MIN_DOT, triton.next_power_of_2(gqa)), HALF=d // 2, BITS=keys.bits,
-        K_GROUP=keys.group, V_GROUP=values.group, BLOCK=BLOCK_N, num_stages=1 if d >= WIDE_HEAD else 3,
+        K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=BLOCK_N,
+        num_stages=1 if d >= WIDE_HEAD else 3,
     )
     out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
-    _reduce_kernel[(batch * q_heads,)](
-        partial, maxima, sums, out, n_splits, partial.stride(1), partial.stride(2), maxima.stride(1), out.stride(1),
-        D=d, SPLITS=triton.next_power_of_2(n_splits),
-    )
+    _reduce_kernel[(batch * q_heads,)](partial, maxima, sums, out, n_splits, D=d,
+                                       SPLITS=triton.next_power_of_2(n_splits))
     return out
 
 
