@@ -286,7 +286,7 @@ def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, r
     from kvq.store import write_json_atomic
 
     record = {"bench": kind, "result": result, **provenance(device)}
-    path = out / f"{kind}-{record['timestamp'].replace(':', '')}.json"
+    path = out / f"{kind}-{record['timestamp'][:19].replace(':', '')}.json"
     write_json_atomic(path, record)
     typer.echo(table)
     git = record["git"]
