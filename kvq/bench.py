@@ -95,7 +95,7 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
     return rows
 
 
-def _random_packed(tokens: int, kv_heads: int, d: int, group: int, device: str) -> PackedKV:
+def random_packed(tokens: int, kv_heads: int, d: int, group: int, device: str) -> PackedKV:
     codes = torch.randint(-7, 8, (1, kv_heads, tokens, d), device=device, dtype=torch.int16)
     scales = torch.rand(1, kv_heads, tokens, d // group, device=device) * 0.1 + 0.01
     return PackedKV(pack(codes, 4), scales, 4, d)
@@ -103,7 +103,7 @@ def _random_packed(tokens: int, kv_heads: int, d: int, group: int, device: str) 
 
 def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int) -> dict:
     quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, "per_group", group))
-    keys, values = (_random_packed(tokens, kv_heads, d, group, device) for _ in range(2))
+    keys, values = (random_packed(tokens, kv_heads, d, group, device) for _ in range(2))
     window = torch.randn(1, kv_heads, 8, d, device=device)
     query = torch.randn(1, q_heads, d, device=device)
     fused = time_call(lambda: decode_attention(query, keys, values, window, window, d ** -0.5), device, graph=True)

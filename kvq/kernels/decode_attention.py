@@ -29,9 +29,21 @@ try:
 except ImportError:  # CPU installs: the reference path serves
     triton = None
 
-BLOCK_N = 64
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 WIDE_HEAD = 256  # from this head_dim on, shallower pipelining keeps the K/V tiles inside shared memory
+
+
+@dataclass
+class LaunchConfig:
+    """Tile and pipelining choices (benchmarks/attention_configs.py sweeps them on a GPU)."""
+
+    block: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: int = 4  # programs per SM to aim for when splitting the sequence
+
+
+LAUNCH = LaunchConfig()
 
 
 @dataclass
@@ -210,12 +222,13 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _split_plan(n_packed: int, programs_per_split: int, device: torch.device) -> tuple[int, int]:
     """(splits over the packed tokens, tokens per split): enough programs to fill every SM ~4 times."""
+    block = LAUNCH.block
     if n_packed == 0:
-        return 0, BLOCK_N
-    target = 4 * _multiprocessors(device)
-    splits = max(1, min(-(-target // programs_per_split), -(-n_packed // BLOCK_N)))
+        return 0, block
+    target = LAUNCH.waves * _multiprocessors(device)
+    splits = max(1, min(-(-target // programs_per_split), -(-n_packed // block)))
     per_split = -(-n_packed // splits)
-    per_split = -(-per_split // BLOCK_N) * BLOCK_N
+    per_split = -(-per_split // block) * block
     return -(-n_packed // per_split), per_split
 
 
@@ -247,8 +260,8 @@ def _decode_attention_triton(query, keys: PackedKV, values: PackedKV, window_key
         query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial, maxima,
         sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA=gqa, GQA_PAD=max(MIN_DOT, triton.next_power_of_2(gqa)), HALF=d // 2, BITS=keys.bits,
-        K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=BLOCK_N,
-        num_stages=1 if d >= WIDE_HEAD else 3,
+        K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
+        num_warps=LAUNCH.num_warps, num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages,
     )
     out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
     _reduce_kernel[(batch * q_heads,)](partial, maxima, sums, out, n_splits, D=d,
