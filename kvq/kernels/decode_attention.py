@@ -35,11 +35,12 @@ WIDE_HEAD = 256  # from this head_dim on, shallower pipelining keeps the K/V til
 
 @dataclass
 class LaunchConfig:
-    """Tile and pipelining choices (benchmarks/attention_configs.py sweeps them on a GPU)."""
+    """Tile and pipelining choices. Defaults: the fastest of benchmarks/attention_configs.py's sweep on an
+    H100 at 8K and 32K tokens (Llama-3-8B shapes, int4 g32)."""
 
     block: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
+    num_warps: int = 2
+    num_stages: int = 1
     waves: int = 4  # programs per SM to aim for when splitting the sequence
 
 

@@ -16,6 +16,7 @@ from kvq.rotations import SRFT, SRHT, Identity
 ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
 KERNEL_BITS = (4, 8)
 THREADS_PER_GROUP = 128
+SIMD_WIDTH = 32  # a CUDA warp and an Apple SIMD group
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,17 @@ class KernelPlan:
     lam: torch.Tensor | None
 
     @property
+    def threads_per_vector(self) -> int:
+        """Lanes of one SIMD group per vector (kernels/quant_body.h: KVQ_TPV)."""
+        return min(self.d // 2, SIMD_WIDTH)
+
+    @property
     def vectors_per_group(self) -> int:
-        return max(1, THREADS_PER_GROUP // (self.d // 2))
+        return THREADS_PER_GROUP // self.threads_per_vector
 
     @property
     def threads_per_group(self) -> int:
-        return self.vectors_per_group * self.d // 2
+        return THREADS_PER_GROUP
 
     @property
     def code_bytes(self) -> int:
