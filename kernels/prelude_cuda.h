@@ -6,7 +6,6 @@ typedef unsigned short ushort;
 #define KVQ_GMEM
 #define KVQ_SMEM
 #define KVQ_BARRIER() __syncthreads()
-#define KVQ_SIMD_BARRIER() __syncwarp()
 #define kvq_rint(x) rintf(x)
 #define kvq_cospi(x) cospif(x)
 #define kvq_sinpi(x) sinpif(x)

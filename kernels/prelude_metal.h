@@ -5,7 +5,6 @@ using namespace metal;
 #define KVQ_GMEM device
 #define KVQ_SMEM threadgroup
 #define KVQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
-#define KVQ_SIMD_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
 // precise:: keeps IEEE results under Metal's default fast-math, so codes match the CUDA build.
 #define kvq_rint(x) precise::rint(x)
 #define kvq_cospi(x) precise::cospi(x)

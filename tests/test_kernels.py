@@ -62,7 +62,6 @@ struct float2 { float x, y; float2(float a, float b) : x(a), y(b) {} };
 namespace metal {
 enum class mem_flags { mem_threadgroup };
 inline void threadgroup_barrier(mem_flags) {}
-inline void simdgroup_barrier(mem_flags) {}
 inline float max(float a, float b) { return a > b ? a : b; }
 inline float clamp(float x, float lo, float hi) { return max(lo, x < hi ? x : hi); }
 inline float fabs(float x) { return x < 0 ? -x : x; }

@@ -16,7 +16,6 @@ from kvq.rotations import SRFT, SRHT, Identity
 ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
 KERNEL_BITS = (4, 8)
 THREADS_PER_GROUP = 128
-SIMD_WIDTH = 32  # a CUDA warp and an Apple SIMD group
 
 
 @dataclass(frozen=True)
@@ -29,17 +28,12 @@ class KernelPlan:
     lam: torch.Tensor | None
 
     @property
-    def threads_per_vector(self) -> int:
-        """Lanes of one SIMD group per vector (kernels/quant_body.h: KVQ_TPV)."""
-        return min(self.d // 2, SIMD_WIDTH)
-
-    @property
     def vectors_per_group(self) -> int:
-        return THREADS_PER_GROUP // self.threads_per_vector
+        return max(1, THREADS_PER_GROUP // (self.d // 2))
 
     @property
     def threads_per_group(self) -> int:
-        return THREADS_PER_GROUP
+        return self.vectors_per_group * self.d // 2
 
     @property
     def code_bytes(self) -> int:
