@@ -190,8 +190,24 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32, config=None) -> dict:
-    """ms/token = (time for prompt + new_tokens - time for prompt + 1 token) / (new_tokens - 1)."""
+def _decode_row(model, make_cache, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
+    """Median over `repeats` of (time for prompt + new_tokens - time for prompt + 1) / (new_tokens - 1),
+    each pair run back to back after one untimed warm-up generate."""
+    _generate_seconds(model, make_cache(), prompt, 2)
+    per_token, prefill = [], []
+    for _ in range(repeats):
+        first = _generate_seconds(model, make_cache(), prompt, 1)
+        cache = make_cache()
+        total = _generate_seconds(model, cache, prompt, new_tokens)
+        per_token.append((total - first) / (new_tokens - 1))
+        prefill.append(first)
+    return {"ms_per_token": statistics.median(per_token) * 1e3, "ms_per_token_runs": [t * 1e3 for t in per_token],
+            "prefill_s": statistics.median(prefill), "cache_bytes": _cache_bytes(cache)}
+
+
+def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32, config=None,
+                 repeats: int = 3) -> dict:
+    """HF generate ms/token per cache at each prompt length (see _decode_row)."""
     from transformers import DynamicCache, LlamaForCausalLM
 
     from kvq.apply import QuantizerBank, kv_geometry
@@ -215,16 +231,11 @@ def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32,
             if make() is None:
                 rows.append(row | {"skipped": "no quantization backend (quanto or hqq) installed"})
                 continue
-            first = _generate_seconds(model, make(), prompt, 1)
-            cache = make()
-            total = _generate_seconds(model, cache, prompt, new_tokens)
-            rows.append(row | {"ms_per_token": (total - first) / (new_tokens - 1) * 1e3, "prefill_s": first,
-                               "cache_bytes": _cache_bytes(cache)})
-            del cache
+            rows.append(row | _decode_row(model, make, prompt, new_tokens, repeats))
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "rows": rows}
-
+    return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
+            "rows": rows}
 
 def _fmt(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
@@ -266,4 +277,4 @@ def decode_table(result: dict) -> str:
         memory = r["cache_bytes"] / 2**20 if r["cache_bytes"] is not None else None
         rows.append([str(r["prompt"]), r["cache"], _fmt(r["ms_per_token"], 2), _fmt(r["prefill_s"], 2),
                      _fmt(memory)])
-    return markdown_table(["prompt", "cache", "ms/token", "prefill s", "cache MiB"], rows)
+    return markdown_table(["prompt", "cache", "ms/token (median)", "prefill s", "cache MiB"], rows)
