@@ -1,0 +1,76 @@
+"""Host (Python + launch) microseconds per call of each piece of one decode step of one layer.
+
+    python benchmarks/decode_overhead.py --context 8192
+
+HF generate at Llama-3-8B size is host-bound on the H100, so these costs, times 32 layers, decide
+whether the fused int4 cache beats an fp16 DynamicCache per token. Calls are not synchronized: the
+numbers are what the CPU spends issuing work.
+"""
+
+import argparse
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvq.apply import QuantizerBank, kv_geometry
+from kvq.cache import QuantizedKVCache
+from kvq.kernels import decode_attention
+
+
+def host_us(fn, calls: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    spent = time.perf_counter() - began
+    torch.cuda.synchronize()
+    return spent / calls * 1e6
+
+
+class _Attention(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 4
+    training = False
+
+
+def main() -> None:
+    from kvq.quant import QuantSpec
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=8192)
+    args = parser.parse_args()
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                         head_dim=128)
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(config))
+    fused = QuantizedKVCache(bank, config, fused=True)
+    dynamic = DynamicCache(config=config)
+    prompt = [torch.randn(1, 8, args.context, 128, device="cuda", dtype=torch.float16) for _ in range(2)]
+    fused.update(*prompt, 0)
+    dynamic.update(*prompt, 0)
+    layer = fused.layers[0]
+    token = [torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.float16) for _ in range(2)]
+    query = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16)
+    keys, values = layer.stores["k"].view(), layer.stores["v"].view()
+    window = layer.rotated["k"][..., :3, :]
+    mapped = query.squeeze(-2).float()
+    module = _Attention()
+    pieces = {
+        "fp16 DynamicLayer.update (cat)": lambda: dynamic.layers[0].update(*token),
+        "fp16 sdpa_attention_forward": lambda: sdpa_attention_forward(module, query, dynamic.layers[0].keys,
+                                                                       dynamic.layers[0].values, None),
+        "kvq FusedLayer.update (window write)": lambda: (layer.update(*token), setattr(layer, "count", 3)),
+        "kvq FusedLayer.attend": lambda: layer.attend(query, 128 ** -0.5),
+        "  decode_attention (2 Triton launches)": lambda: decode_attention.decode_attention(
+            mapped, keys, values, window, window, 128 ** -0.5),
+        "  query map (matmul)": lambda: query.squeeze(-2).float() @ layer.maps.query,
+    }
+    for name, fn in pieces.items():
+        print(f"{name:42s} {host_us(fn):8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
