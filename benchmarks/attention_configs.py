@@ -23,11 +23,13 @@ def main() -> None:
     results = []
     for tokens in args.context:
         keys, values = (random_packed(tokens, 8, 128, 32, "cuda") for _ in range(2))
-        window = torch.randn(1, 8, 8, 128, device="cuda")
-        query = torch.randn(1, 32, 128, device="cuda")
+        window = torch.randn(1, 8, 8, 128, device="cuda", dtype=torch.float16)
+        query = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
+        maps = torch.linalg.qr(torch.randn(128, 128, device="cuda"))[0]
         for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (2, 4, 8)):
             decode_attention.LAUNCH = decode_attention.LaunchConfig(block, warps, stages, waves)
-            step = partial(decode_attention.decode_attention, query, keys, values, window, window, 128 ** -0.5)
+            step = partial(decode_attention.decode_attention, query, maps, keys, values, window, window, maps.T,
+                           128 ** -0.5)
             try:
                 seconds = time_call(step, "cuda", graph=True)
             except Exception as error:  # a configuration that does not fit is skipped, and said so

@@ -55,8 +55,7 @@ def main() -> None:
     token = [torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.float16) for _ in range(2)]
     query = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16)
     keys, values = layer.stores["k"].view(), layer.stores["v"].view()
-    window = layer.rotated["k"][..., :3, :]
-    mapped = query.squeeze(-2).float()
+    window = layer.raw["k"][..., :3, :]
     module = _Attention()
     pieces = {
         "fp16 DynamicLayer.update (cat)": lambda: dynamic.layers[0].update(*token),
@@ -65,8 +64,7 @@ def main() -> None:
         "kvq FusedLayer.update (window write)": lambda: (layer.update(*token), setattr(layer, "count", 3)),
         "kvq FusedLayer.attend": lambda: layer.attend(query, 128 ** -0.5),
         "  decode_attention (2 Triton launches)": lambda: decode_attention.decode_attention(
-            mapped, keys, values, window, window, 128 ** -0.5),
-        "  query map (matmul)": lambda: query.squeeze(-2).float() @ layer.maps.query,
+            query.squeeze(-2), layer.maps.query, keys, values, window, window, layer.maps.output, 128 ** -0.5),
     }
     for name, fn in pieces.items():
         print(f"{name:42s} {host_us(fn):8.1f} us")

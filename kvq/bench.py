@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -104,12 +105,14 @@ def random_packed(tokens: int, kv_heads: int, d: int, group: int, device: str) -
 def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int) -> dict:
     quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, "per_group", group))
     keys, values = (random_packed(tokens, kv_heads, d, group, device) for _ in range(2))
-    window = torch.randn(1, kv_heads, 8, d, device=device)
-    query = torch.randn(1, q_heads, d, device=device)
-    fused = time_call(lambda: decode_attention(query, keys, values, window, window, d ** -0.5), device, graph=True)
-    eager = time_call(lambda: decode_attention(query, keys, values, window, window, d ** -0.5), device)
+    window = torch.randn(1, kv_heads, 8, d, device=device, dtype=torch.float16)
+    q16 = torch.randn(1, q_heads, 1, d, device=device, dtype=torch.float16)
+    rotation = quantizer.rotation.matrix().to(device)
+    step = partial(decode_attention, q16.squeeze(-2), rotation.T.contiguous(), keys, values, window, window, rotation,
+                   d ** -0.5)
+    fused = time_call(step, device, graph=True)
+    eager = time_call(step, device)
     k16, v16 = (torch.randn(1, kv_heads, tokens, d, device=device, dtype=torch.float16) for _ in range(2))
-    q16 = query.half().unsqueeze(-2)
     sdpa = time_call(lambda: F.scaled_dot_product_attention(q16, k16, v16, enable_gqa=True), device, graph=True)
     packed = [keys.as_packed(torch.float16), values.as_packed(torch.float16)]
 

@@ -154,7 +154,7 @@ class DomainMaps:
     """Matrices between a layer's model domain and its quantizers' rotated, lambda-scaled domains.
 
     With y = lam * (R x) the quantized coordinates: q . k = (q R^T / lam) . y_k, and
-    sum_i p_i v_i = (sum_i p_i y_v,i / lam) R, so attention runs on y and maps once at each end.
+    sum_i p_i v_i = (sum_i p_i y_v,i / lam) R (kvq.kernels.decode_attention applies both).
     """
 
     def __init__(self, key_quantizer: RotatedQuantizer, value_quantizer: RotatedQuantizer, device: torch.device):
@@ -166,9 +166,8 @@ class DomainMaps:
 
         key_rotation, key_lam = parts(key_quantizer)
         value_rotation, value_lam = parts(value_quantizer)
-        self.query = key_rotation.T / key_lam
-        self.to_domain = {"k": key_rotation.T * key_lam, "v": value_rotation.T * value_lam}
-        self.output = value_rotation / value_lam[:, None]
+        self.query = (key_rotation.T / key_lam).contiguous()
+        self.output = (value_rotation / value_lam[:, None]).contiguous()
 
 
 class FusedLayer(DynamicLayer):
@@ -187,7 +186,6 @@ class FusedLayer(DynamicLayer):
         self.stores = {role: PackedStore(q.inner.bits, d) for role, q in self.quantizers.items()}
         self.window = residual
         self.raw: dict[str, torch.Tensor] = {}
-        self.rotated: dict[str, torch.Tensor] = {}
         self.count = 0
         self.maps: DomainMaps | None = None
         self.deferred = False
@@ -199,12 +197,9 @@ class FusedLayer(DynamicLayer):
         for role in ("k", "v"):
             shape = (*key_states.shape[:-2], self.window, key_states.shape[-1])
             self.raw[role] = key_states.new_empty(shape)
-            self.rotated[role] = key_states.new_empty(shape, dtype=torch.float32)
 
     def _write_window(self, role: str, start: int, states: torch.Tensor) -> None:
-        end = start + states.shape[-2]
-        self.raw[role][..., start:end, :] = states
-        self.rotated[role][..., start:end, :] = states.float() @ self.maps.to_domain[role]
+        self.raw[role][..., start:start + states.shape[-2], :] = states
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -245,19 +240,18 @@ class FusedLayer(DynamicLayer):
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
-        mapped = query.squeeze(-2).float() @ self.maps.query
-        out = decode_attention(mapped, self.stores["k"].view(), self.stores["v"].view(),
-                               self.rotated["k"][..., :self.count, :], self.rotated["v"][..., :self.count, :],
-                               scaling)
+        out = decode_attention(query.squeeze(-2), self.maps.query, self.stores["k"].view(), self.stores["v"].view(),
+                               self.raw["k"][..., :self.count, :], self.raw["v"][..., :self.count, :],
+                               self.maps.output, scaling)
         self.fused_steps += 1
-        return (out @ self.maps.output).to(query.dtype).unsqueeze(1)
+        return out.unsqueeze(1)
 
     def get_seq_length(self) -> int:
         return self.stores["k"].length + self.count if self.is_initialized else 0
 
     def persistent_bytes(self) -> int:
-        """Allocated packed buffers (capacity, not just length) plus both window buffers."""
-        windows = sum(t.numel() * t.element_size() for buffers in (self.raw, self.rotated) for t in buffers.values())
+        """Allocated packed buffers (capacity, not just length) plus the window buffers."""
+        windows = sum(t.numel() * t.element_size() for t in self.raw.values())
         return sum(store.held_bytes() for store in self.stores.values()) + windows
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -61,8 +61,8 @@ def test_fused_memory_counts_allocated_buffers():
     bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), KVGeometry(1, 2, 128))
     layer = FusedLayer(bank, 0, 16)
     layer.update(torch.randn(1, 2, 1030, 128).half(), torch.randn(1, 2, 1030, 128).half())
-    # codes 64 B + 4 fp32 scales per token for 1024 packed tokens; windows hold 16 fp16 raw + 16 fp32 rotated
-    per_role = 2 * (1024 * (64 + 16) + 16 * 128 * (2 + 4))
+    # codes 64 B + 4 fp32 scales per token for 1024 packed tokens; the window holds 16 fp16 tokens
+    per_role = 2 * (1024 * (64 + 16) + 16 * 128 * 2)
     assert layer.persistent_bytes() == 2 * per_role
 
 

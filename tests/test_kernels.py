@@ -162,8 +162,10 @@ def test_triton_decode_attention_equals_dequantize_then_sdpa(batch, q_heads, kv_
     window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).cuda()
     window_keys, window_values = window_buffer[0, :, :, :window], window_buffer[1, :, :, :window]
     query = torch.randn(batch, q_heads, d, generator=generator).cuda()
-    got = _decode_attention_triton(query, keys, values, window_keys, window_values, d ** -0.5)
-    expected = decode_attention_reference(query, keys, values, window_keys, window_values, d ** -0.5)
+    rotation, lam = SRFT(d, tokens).matrix(), torch.rand(d, generator=generator) + 0.5
+    query_map, output_map = (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda()
+    arguments = (query, query_map, keys, values, window_keys, window_values, output_map, d ** -0.5)
+    got, expected = _decode_attention_triton(*arguments), decode_attention_reference(*arguments)
     error = (got - expected).abs().max().item()
     print(f"B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window} int{bits} g={group}: max abs {error:.2e}")
     assert error < 2e-3

@@ -5,12 +5,15 @@ codes and their scales directly, dequantizes in registers, keeps an online softm
 the sequence and writes a partial (o_c, m_c, l_c); a reduce pass combines the partials. One program
 serves all query heads of a KV head (GQA), so every KV byte is read once.
 
-Everything happens in the quantizer's rotated domain: the caller maps the query by R_k^T diag(1/lam_k)
-and the output back by diag(1/lam_v) R_v, and passes the unquantized residual window already mapped
-into that domain, so the window joins the same softmax as the packed prefix.
+Packed codes live in the quantizers' rotated, lambda-scaled domains (y = lam * R x). With
+query_map = R_k^T diag(1/lam_k) and output_map = diag(1/lam_v) R_v: q . k = (q query_map) . y_k and
+sum_i p_i v_i = (sum_i p_i y_v,i) output_map. The kernel maps the query itself, lets the packed
+splits accumulate in the value domain and the residual-window split (exact tokens) in the model's,
+and the reduce pass maps the packed sum back before adding the window's: one launch each, no extra
+host work, which matters because HF decoding is host-bound.
 
-`decode_attention` dispatches to Triton on CUDA and to `decode_attention_reference` (dequantize, then
-SDPA) elsewhere; the GPU tests check the two agree.
+`decode_attention` dispatches to Triton on CUDA and to `decode_attention_reference` (dequantize to the
+model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
 """
 
 from dataclasses import dataclass
@@ -72,11 +75,11 @@ class PackedKV:
         return grouped.view(codes.shape)
 
 
-def decode_attention_reference(query: torch.Tensor, keys: PackedKV, values: PackedKV,
-                               window_keys: torch.Tensor, window_values: torch.Tensor, scale: float) -> torch.Tensor:
-    """query (B, Hq, d) in the key domain -> (B, Hq, d) in the value domain, in the query's dtype."""
-    k = torch.cat([keys.dequantized(), window_keys.float()], dim=-2)
-    v = torch.cat([values.dequantized(), window_values.float()], dim=-2)
+def decode_attention_reference(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values,
+                               output_map, scale: float) -> torch.Tensor:
+    """query (B, Hq, d) -> attention output (B, Hq, d) in the query's dtype, all in the model's domain."""
+    k = torch.cat([keys.dequantized() @ query_map.T, window_keys.float()], dim=-2)
+    v = torch.cat([values.dequantized() @ output_map, window_values.float()], dim=-2)
     out = F.scaled_dot_product_attention(query.float().unsqueeze(-2), k, v, scale=scale,
                                          enable_gqa=query.shape[1] != k.shape[1])
     return out.squeeze(-2).to(query.dtype)
@@ -88,10 +91,12 @@ def supported(keys: PackedKV, query_heads: int) -> bool:
             and query_heads % keys.codes.shape[1] == 0)
 
 
-def decode_attention(query, keys: PackedKV, values: PackedKV, window_keys, window_values, scale: float):
+def decode_attention(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values, output_map,
+                     scale: float):
+    arguments = (query, query_map, keys, values, window_keys, window_values, output_map, scale)
     if supported(keys, query.shape[1]):
-        return _decode_attention_triton(query, keys, values, window_keys, window_values, scale)
-    return decode_attention_reference(query, keys, values, window_keys, window_values, scale)
+        return _decode_attention_triton(*arguments)
+    return decode_attention_reference(*arguments)
 
 
 if triton is not None:
@@ -146,13 +151,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_packed", "n_window", "tokens_per_split", "n_packed_splits"])
     def _partial_kernel(
-        q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
+        q_ptr, qmap_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
         n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA: tl.constexpr, GQA_PAD: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
         K_GROUPS: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """Codes and scales are (B, Hkv, capacity, .) buffers, windows (B, Hkv, window_capacity, d), all
-        contiguous; q (B, Hq, d); partials (B, Hq, splits, d) and (B, Hq, splits)."""
+        contiguous; q (B, Hq, d); query map (d, d) fp32; partials (B, Hq, splits, d) and (B, Hq, splits).
+        Packed splits score q @ query_map against the codes; the last split scores q against the window."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         n_splits = tl.num_programs(1)
@@ -162,15 +168,17 @@ if triton is not None:
         row_ok = rows < GQA
         pairs = tl.arange(0, HALF)
         q_base = q_ptr + (b * kv_heads * GQA + heads[:, None]) * (2 * HALF)
-        q_even = (tl.load(q_base + 2 * pairs[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
-        q_odd = (tl.load(q_base + 2 * pairs[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
-        q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
         m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GQA_PAD], tl.float32)
         acc_even = tl.zeros([GQA_PAD, HALF], tl.float32)
         acc_odd = tl.zeros([GQA_PAD, HALF], tl.float32)
         row = pid_bh.to(tl.int64) * capacity
         if split < n_packed_splits:
+            dims = tl.arange(0, 2 * HALF)
+            q = tl.load(q_base + dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
+            map_rows = qmap_ptr + dims[:, None] * (2 * HALF)
+            q_even = tl.dot(q, tl.load(map_rows + 2 * pairs[None, :]), input_precision="ieee").to(tl.float16)
+            q_odd = tl.dot(q, tl.load(map_rows + 2 * pairs[None, :] + 1), input_precision="ieee").to(tl.float16)
             start = split * tokens_per_split
             end = tl.minimum(start + tokens_per_split, n_packed)
             kc = kc_ptr + row * (HALF * BITS // 4)
@@ -185,6 +193,9 @@ if triton is not None:
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
                     q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd)
         else:
+            q_even = (tl.load(q_base + 2 * pairs[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
+            q_odd = (tl.load(q_base + 2 * pairs[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
+            q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
             window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)
             for t0 in range(0, n_window, BLOCK):
                 tokens = t0 + tl.arange(0, BLOCK)
@@ -201,18 +212,25 @@ if triton is not None:
         tl.store(l_ptr + stat, l_i, mask=row_ok)
 
     @triton.jit
-    def _reduce_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n_splits, D: tl.constexpr, SPLITS: tl.constexpr):
-        """Eq. 5: o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c, one program per (batch, query head)."""
+    def _reduce_kernel(o_ptr, m_ptr, l_ptr, omap_ptr, out_ptr, n_splits, D: tl.constexpr, SPLITS: tl.constexpr):
+        """Eq. 5, o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c, with the packed splits' sum mapped by
+        output_map (d, d) before the window split (the last) is added; one program per (batch, query head)."""
         bh = tl.program_id(0)
         splits = tl.arange(0, SPLITS)
+        packed = splits < n_splits - 1
         ok = splits < n_splits
         m = tl.load(m_ptr + bh * n_splits + splits, mask=ok, other=float("-inf"))
         l_c = tl.load(l_ptr + bh * n_splits + splits, mask=ok, other=0.0)
         m_max = tl.max(m, 0)
         weight = tl.where(ok, tl.exp(m - m_max), 0.0)
         cols = tl.arange(0, D)
+        rows = tl.arange(0, D)
         o = tl.load(o_ptr + (bh * n_splits + splits[:, None]) * D + cols[None, :], mask=ok[:, None], other=0.0)
-        out = tl.sum(o * weight[:, None], 0) / tl.sum(l_c * weight, 0)
+        packed_sum = tl.sum(tl.where(packed[:, None], o * weight[:, None], 0.0), 0)
+        window_sum = tl.sum(tl.where(packed[:, None], 0.0, o * weight[:, None]), 0)
+        output_map = tl.load(omap_ptr + rows[:, None] * D + cols[None, :])
+        mapped = tl.sum(packed_sum[:, None] * output_map, 0)  # row vector @ output_map
+        out = (mapped + window_sum) / tl.sum(l_c * weight, 0)
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
@@ -240,7 +258,21 @@ def _rows_buffer(t: torch.Tensor) -> int:
     return t.stride(1) // t.shape[-1]
 
 
-def _decode_attention_triton(query, keys: PackedKV, values: PackedKV, window_keys, window_values, scale):
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(batch: int, q_heads: int, n_splits: int, d: int, device: torch.device):
+    """Partial sums, maxima and normalizers, reused across calls and layers (kernels run in stream order)."""
+    key = (batch, q_heads, n_splits, d, device)
+    if key not in _workspaces:
+        partial = torch.empty(batch, q_heads, n_splits, d, device=device, dtype=torch.float32)
+        maxima = torch.empty(batch, q_heads, n_splits, device=device, dtype=torch.float32)
+        _workspaces[key] = (partial, maxima, torch.empty_like(maxima))
+    return _workspaces[key]
+
+
+def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values,
+                             output_map, scale):
     batch, q_heads, d = query.shape
     kv_heads = keys.codes.shape[1]
     n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
@@ -253,19 +285,17 @@ def _decode_attention_triton(query, keys: PackedKV, values: PackedKV, window_key
         raise ValueError("window K and V must share one row capacity")
     packed_splits, per_split = _split_plan(n_packed, batch * kv_heads, query.device)
     n_splits = packed_splits + 1  # the last program takes the residual window
-    partial = torch.empty(batch, q_heads, n_splits, d, device=query.device, dtype=torch.float32)
-    maxima = torch.empty(batch, q_heads, n_splits, device=query.device, dtype=torch.float32)
-    sums = torch.empty_like(maxima)
+    partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     gqa = q_heads // kv_heads
     _partial_kernel[(batch * kv_heads, n_splits)](
-        query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial, maxima,
-        sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, scale,
+        query, query_map, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial,
+        maxima, sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA=gqa, GQA_PAD=max(MIN_DOT, triton.next_power_of_2(gqa)), HALF=d // 2, BITS=keys.bits,
         K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
         num_warps=LAUNCH.num_warps, num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages,
     )
     out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
-    _reduce_kernel[(batch * q_heads,)](partial, maxima, sums, out, n_splits, D=d,
+    _reduce_kernel[(batch * q_heads,)](partial, maxima, sums, output_map, out, n_splits, D=d,
                                        SPLITS=triton.next_power_of_2(n_splits))
     return out
 
