@@ -177,8 +177,9 @@ if triton is not None:
             dims = tl.arange(0, 2 * HALF)
             q = tl.load(q_base + dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
             map_rows = qmap_ptr + dims[:, None] * (2 * HALF)
-            q_even = tl.dot(q, tl.load(map_rows + 2 * pairs[None, :]), input_precision="ieee").to(tl.float16)
-            q_odd = tl.dot(q, tl.load(map_rows + 2 * pairs[None, :] + 1), input_precision="ieee").to(tl.float16)
+            # tf32x3 keeps ~fp32 accuracy on tensor cores; the result is rounded to fp16 for the scores anyway
+            q_even = tl.dot(q, tl.load(map_rows + 2 * pairs[None, :]), input_precision="tf32x3").to(tl.float16)
+            q_odd = tl.dot(q, tl.load(map_rows + 2 * pairs[None, :] + 1), input_precision="tf32x3").to(tl.float16)
             start = split * tokens_per_split
             end = tl.minimum(start + tokens_per_split, n_packed)
             kc = kc_ptr + row * (HALF * BITS // 4)
@@ -276,7 +277,7 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     batch, q_heads, d = query.shape
     kv_heads = keys.codes.shape[1]
     n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
-    query = query.contiguous()
+    query, query_map, output_map = query.contiguous(), query_map.float().contiguous(), output_map.float().contiguous()
     capacity = _rows_buffer(keys.codes)
     if not (capacity == _rows_buffer(keys.scales) == _rows_buffer(values.codes) == _rows_buffer(values.scales)):
         raise ValueError("packed K and V codes and scales must share one row capacity")
