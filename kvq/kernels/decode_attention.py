@@ -7,10 +7,10 @@ serves all query heads of a KV head (GQA), so every KV byte is read once.
 
 Packed codes live in the quantizers' rotated, lambda-scaled domains (y = lam * R x). With
 query_map = R_k^T diag(1/lam_k) and output_map = diag(1/lam_v) R_v: q . k = (q query_map) . y_k and
-sum_i p_i v_i = (sum_i p_i y_v,i) output_map. The kernel maps the query itself, lets the packed
-splits accumulate in the value domain and the residual-window split (exact tokens) in the model's,
-and the reduce pass maps the packed sum back before adding the window's: one launch each, no extra
-host work, which matters because HF decoding is host-bound.
+sum_i p_i v_i = (sum_i p_i y_v,i) output_map. The wrapper maps the query once (a d x d product: inside
+every program it cost more GPU time than it saved host time); the packed splits accumulate in the
+value domain and the residual-window split (exact tokens) in the model's, and the reduce pass maps the
+packed sum back before adding the window's, so the window needs no per-step rotation.
 
 `decode_attention` dispatches to Triton on CUDA and to `decode_attention_reference` (dequantize to the
 model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
@@ -151,13 +151,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_packed", "n_window", "tokens_per_split", "n_packed_splits"])
     def _partial_kernel(
-        q_ptr, qmap_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
+        q_ptr, qrot_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
         n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA: tl.constexpr, GQA_PAD: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
         K_GROUPS: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """Codes and scales are (B, Hkv, capacity, .) buffers, windows (B, Hkv, window_capacity, d), all
-        contiguous; q (B, Hq, d); query map (d, d) fp32; partials (B, Hq, splits, d) and (B, Hq, splits).
+        contiguous; q and q @ query_map (B, Hq, d); partials (B, Hq, splits, d) and (B, Hq, splits).
         Packed splits score q @ query_map against the codes; the last split scores q against the window."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -167,19 +167,17 @@ if triton is not None:
         heads = (pid_bh % kv_heads) * GQA + rows
         row_ok = rows < GQA
         pairs = tl.arange(0, HALF)
-        q_base = q_ptr + (b * kv_heads * GQA + heads[:, None]) * (2 * HALF)
+        q_offset = (b * kv_heads * GQA + heads[:, None]) * (2 * HALF)
+        q_base = tl.where(split < n_packed_splits, qrot_ptr, q_ptr) + q_offset
+        q_even = (tl.load(q_base + 2 * pairs[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
+        q_odd = (tl.load(q_base + 2 * pairs[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
+        q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
         m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GQA_PAD], tl.float32)
         acc_even = tl.zeros([GQA_PAD, HALF], tl.float32)
         acc_odd = tl.zeros([GQA_PAD, HALF], tl.float32)
         row = pid_bh.to(tl.int64) * capacity
         if split < n_packed_splits:
-            dims = tl.arange(0, 2 * HALF)
-            q = tl.load(q_base + dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
-            map_rows = qmap_ptr + dims[:, None] * (2 * HALF)
-            # tf32x3 keeps ~fp32 accuracy on tensor cores; the result is rounded to fp16 for the scores anyway
-            q_even = tl.dot(q, tl.load(map_rows + 2 * pairs[None, :]), input_precision="tf32x3").to(tl.float16)
-            q_odd = tl.dot(q, tl.load(map_rows + 2 * pairs[None, :] + 1), input_precision="tf32x3").to(tl.float16)
             start = split * tokens_per_split
             end = tl.minimum(start + tokens_per_split, n_packed)
             kc = kc_ptr + row * (HALF * BITS // 4)
@@ -194,9 +192,6 @@ if triton is not None:
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
                     q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd)
         else:
-            q_even = (tl.load(q_base + 2 * pairs[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
-            q_odd = (tl.load(q_base + 2 * pairs[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
-            q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
             window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)
             for t0 in range(0, n_window, BLOCK):
                 tokens = t0 + tl.arange(0, BLOCK)
@@ -275,9 +270,11 @@ def _workspace(batch: int, q_heads: int, n_splits: int, d: int, device: torch.de
 def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values,
                              output_map, scale):
     batch, q_heads, d = query.shape
+    dtype = query.dtype
     kv_heads = keys.codes.shape[1]
     n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
-    query, query_map, output_map = query.contiguous(), query_map.float().contiguous(), output_map.float().contiguous()
+    query, output_map = query.float().contiguous(), output_map.float().contiguous()
+    mapped_query = query @ query_map.float()
     capacity = _rows_buffer(keys.codes)
     if not (capacity == _rows_buffer(keys.scales) == _rows_buffer(values.codes) == _rows_buffer(values.scales)):
         raise ValueError("packed K and V codes and scales must share one row capacity")
@@ -289,13 +286,13 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     gqa = q_heads // kv_heads
     _partial_kernel[(batch * kv_heads, n_splits)](
-        query, query_map, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial,
+        query, mapped_query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial,
         maxima, sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA=gqa, GQA_PAD=max(MIN_DOT, triton.next_power_of_2(gqa)), HALF=d // 2, BITS=keys.bits,
         K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
         num_warps=LAUNCH.num_warps, num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages,
     )
-    out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
+    out = torch.empty(batch, q_heads, d, device=query.device, dtype=dtype)
     _reduce_kernel[(batch * q_heads,)](partial, maxima, sums, output_map, out, n_splits, D=d,
                                        SPLITS=triton.next_power_of_2(n_splits))
     return out
