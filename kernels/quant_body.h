@@ -170,19 +170,38 @@ KVQ_DEVICE_FN float kvq_lambda(KVQ_GMEM const float* lam, uint i) {
     return kvq_max(lam[i], 1e-6f);  // RotatedQuantizer's LAMBDA_FLOOR
 }
 
+// Where a thread works: its vector within the threadgroup, its coordinate pair j, that vector's
+// scratch and the shared twiddle table (filled here; the caller's next barrier publishes it).
+struct KvqSlot {
+    uint local, j, vec, active;
+    KVQ_SMEM float* scratch;
+    KVQ_SMEM float* y;
+    KVQ_SMEM float* twiddles;
+};
+
+KVQ_DEVICE_FN KvqSlot kvq_slot(uint tid, uint group_id, uint n, KVQ_SMEM float* smem) {
+    KvqSlot slot;
+    slot.local = tid / KVQ_HALF;
+    slot.j = tid % KVQ_HALF;
+    slot.vec = group_id * KVQ_VPB + slot.local;
+    slot.active = slot.vec < n;
+    slot.scratch = smem + slot.local * 2 * KVQ_D;
+    slot.y = slot.scratch + KVQ_D;
+    slot.twiddles = smem + KVQ_VPB * (2 * KVQ_D + KVQ_HALF);
+    kvq_fill_twiddles(slot.twiddles, tid);
+    return slot;
+}
+
 // One vector per KVQ_HALF threads: x (n, D) -> codes (n, KVQ_CODE_BYTES), scales (n, KVQ_GROUPS).
 KVQ_DEVICE_FN void kvq_quantize_body(
     KVQ_GMEM const KVQ_IN_T* x, KVQ_GMEM const float* signs, KVQ_GMEM const float* lam, uint has_lam,
     KVQ_GMEM uchar* codes, KVQ_GMEM float* scales, uint n, uint tid, uint group_id, KVQ_SMEM float* smem) {
-    uint local = tid / KVQ_HALF;
-    uint j = tid % KVQ_HALF;
-    uint vec = group_id * KVQ_VPB + local;
-    uint active = vec < n;
-    KVQ_SMEM float* scratch = smem + local * 2 * KVQ_D;
-    KVQ_SMEM float* y = scratch + KVQ_D;
-    KVQ_SMEM float* lanes = smem + KVQ_VPB * 2 * KVQ_D + local * KVQ_HALF;
-    KVQ_SMEM float* twiddles = smem + KVQ_VPB * (2 * KVQ_D + KVQ_HALF);
-    kvq_fill_twiddles(twiddles, tid);
+    KvqSlot slot = kvq_slot(tid, group_id, n, smem);
+    uint j = slot.j, vec = slot.vec, active = slot.active;
+    KVQ_SMEM float* scratch = slot.scratch;
+    KVQ_SMEM float* y = slot.y;
+    KVQ_SMEM float* twiddles = slot.twiddles;
+    KVQ_SMEM float* lanes = smem + KVQ_VPB * 2 * KVQ_D + slot.local * KVQ_HALF;
     float a = 0.0f, b = 0.0f;
     if (active) {
         a = kvq_load_in(x, vec * KVQ_D + 2 * j) * signs[2 * j];
@@ -227,14 +246,11 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
     KVQ_GMEM const uchar* codes, KVQ_GMEM const float* scales, KVQ_GMEM const float* signs,
     KVQ_GMEM const float* lam, uint has_lam, KVQ_GMEM KVQ_OUT_T* x, uint n, uint tid, uint group_id,
     KVQ_SMEM float* smem) {
-    uint local = tid / KVQ_HALF;
-    uint j = tid % KVQ_HALF;
-    uint vec = group_id * KVQ_VPB + local;
-    uint active = vec < n;
-    KVQ_SMEM float* scratch = smem + local * 2 * KVQ_D;
-    KVQ_SMEM float* y = scratch + KVQ_D;
-    KVQ_SMEM float* twiddles = smem + KVQ_VPB * (2 * KVQ_D + KVQ_HALF);
-    kvq_fill_twiddles(twiddles, tid);
+    KvqSlot slot = kvq_slot(tid, group_id, n, smem);
+    uint j = slot.j, vec = slot.vec, active = slot.active;
+    KVQ_SMEM float* scratch = slot.scratch;
+    KVQ_SMEM float* y = slot.y;
+    KVQ_SMEM float* twiddles = slot.twiddles;
     float v0 = 0.0f, v1 = 0.0f;
     if (active) {
 #if KVQ_BITS == 4
