@@ -22,7 +22,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for tokens in args.context:
-        keys, values = (random_packed(tokens, 8, 128, 32, "cuda") for _ in range(2))
+        keys, values = (random_packed(1, 8, tokens, 128, 4, 32, "cuda") for _ in range(2))
         window = torch.randn(1, 8, 8, 128, device="cuda", dtype=torch.float16)
         query = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
         maps = torch.linalg.qr(torch.randn(128, 128, device="cuda"))[0]

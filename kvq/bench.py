@@ -96,15 +96,18 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
     return rows
 
 
-def random_packed(tokens: int, kv_heads: int, d: int, group: int, device: str) -> PackedKV:
-    codes = torch.randint(-7, 8, (1, kv_heads, tokens, d), device=device, dtype=torch.int16)
-    scales = torch.rand(1, kv_heads, tokens, d // group, device=device) * 0.1 + 0.01
-    return PackedKV(pack(codes, 4), scales, 4, d)
+def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group: int, device: str,
+                  generator: torch.Generator | None = None) -> PackedKV:
+    """Random codes over +-qmax with scales that give K/V of unit size whatever the width."""
+    high = 1 << (bits - 1)
+    codes = torch.randint(1 - high, high, (batch, heads, tokens, d), generator=generator)
+    scales = (torch.rand(batch, heads, tokens, d // group, generator=generator) * 0.3 + 0.05) * 7 / (high - 1)
+    return PackedKV(pack(codes, bits).to(device), scales.to(device), bits, d)
 
 
 def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int) -> dict:
     quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, "per_group", group))
-    keys, values = (random_packed(tokens, kv_heads, d, group, device) for _ in range(2))
+    keys, values = (random_packed(1, kv_heads, tokens, d, 4, group, device) for _ in range(2))
     window = torch.randn(1, kv_heads, 8, d, device=device, dtype=torch.float16)
     q16 = torch.randn(1, q_heads, 1, d, device=device, dtype=torch.float16)
     rotation = quantizer.rotation.matrix().to(device)
@@ -224,21 +227,23 @@ def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32,
     factories = {
         "fp16 DynamicCache": lambda: DynamicCache(config=config),
         "kvq fused int4 g32": lambda: QuantizedKVCache(bank, config, fused=True),
-        "transformers QuantizedCache int4": lambda: _transformers_quantized_cache(config),
     }
+    skipped = {}
+    if _transformers_quantized_cache(config) is None:
+        skipped["transformers QuantizedCache int4"] = "no quantization backend (quanto or hqq) installed"
+    else:
+        factories["transformers QuantizedCache int4"] = lambda: _transformers_quantized_cache(config)
     rows = []
     for length in prompts:
         prompt = torch.randint(0, config.vocab_size, (1, length), device=device)
         for label, make in factories.items():
-            row = {"prompt": length, "cache": label}
-            if make() is None:
-                rows.append(row | {"skipped": "no quantization backend (quanto or hqq) installed"})
-                continue
-            rows.append(row | _decode_row(model, make, prompt, new_tokens, repeats))
+            rows.append({"prompt": length, "cache": label} | _decode_row(model, make, prompt, new_tokens, repeats))
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        rows += [{"prompt": length, "cache": label, "skipped": why} for label, why in skipped.items()]
     return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
             "rows": rows}
+
 
 def _fmt(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"

@@ -26,24 +26,38 @@ from kvq.apply import QuantizerBank, attention_modules
 from kvq.attention import FUSED_ATTENTION, switch_attention
 from kvq.errors import KvqError
 from kvq.kernels.decode_attention import PackedKV, decode_attention
-from kvq.quant.base import Packed, Quantizer
+from kvq.quant.base import Packed
 from kvq.quant.rotated import RotatedPacked, RotatedQuantizer
-from kvq.quant.scalar import ScalarQuantizer
 
 
 def tensor_bytes(packed: Packed) -> int:
     return packed.storage_bits() // 8
 
 
-class QuantizedLayer(DynamicLayer):
+def held_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class WindowedLayer(DynamicLayer):
+    """A full-attention layer whose K/V are packed by its (layer, K|V) quantizers behind an exact window
+    of the newest `residual` tokens."""
+
     is_croppable = False
 
-    def __init__(self, bank: QuantizerBank, layer: int, residual: int, keep_dequantized_prefix: bool):
+    def __init__(self, bank: QuantizerBank, layer: int, residual: int):
         super().__init__()
         if residual < 1:
             raise KvqError(f"residual window must hold at least one token, got {residual}")
         self.quantizers = {role: bank.get(layer, role) for role in ("k", "v")}
         self.window = residual
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvqError("QuantizedKVCache cannot crop packed tokens (assisted decoding is not supported)")
+
+
+class QuantizedLayer(WindowedLayer):
+    def __init__(self, bank: QuantizerBank, layer: int, residual: int, keep_dequantized_prefix: bool):
+        super().__init__(bank, layer, residual)
         self.keep_prefix = keep_dequantized_prefix
         self.packed: dict[str, list[Packed]] = {"k": [], "v": []}
         self.prefix: dict[str, torch.Tensor | None] = {"k": None, "v": None}
@@ -90,23 +104,7 @@ class QuantizedLayer(DynamicLayer):
     def persistent_bytes(self) -> int:
         """Packed tensors plus the window: what the layer must keep between steps."""
         packed = sum(tensor_bytes(p) for role in ("k", "v") for p in self.packed[role])
-        recent = sum(t.numel() * t.element_size() for t in self.recent.values() if t is not None)
-        return packed + recent
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise KvqError("QuantizedKVCache cannot crop packed tokens (assisted decoding is not supported)")
-
-
-def fused_support_reason(quantizer: Quantizer) -> str | None:
-    """None when FusedLayer can hold and attend this quantizer's packing; else why not."""
-    inner = getattr(quantizer, "inner", None)
-    if not isinstance(quantizer, RotatedQuantizer) or not isinstance(inner, ScalarQuantizer):
-        return f"the fused cache holds rotated scalar quantizers, not {type(quantizer).__name__}"
-    if inner.bits not in (4, 8) or not inner.symmetric or inner.scale_dtype != torch.float32:
-        return "the fused cache holds symmetric int4/int8 codes with float32 scales"
-    if inner.granularity not in ("per_token", "per_group"):
-        return f"the fused cache needs per_token or per_group scales, not {inner.granularity}"
-    return None
+        return packed + held_bytes(self.recent.values())
 
 
 class PackedStore:
@@ -147,7 +145,7 @@ class PackedStore:
         return PackedKV(self.codes[..., :self.length, :], self.scales[..., :self.length, :], self.bits, self.head_dim)
 
     def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales) if t is not None)
+        return held_bytes((self.codes, self.scales))
 
 
 class DomainMaps:
@@ -170,21 +168,15 @@ class DomainMaps:
         self.output = (value_rotation / value_lam[:, None]).contiguous()
 
 
-class FusedLayer(DynamicLayer):
-    is_croppable = False
-
+class FusedLayer(WindowedLayer):
     def __init__(self, bank: QuantizerBank, layer: int, residual: int):
-        super().__init__()
-        if residual < 1:
-            raise KvqError(f"residual window must hold at least one token, got {residual}")
-        self.quantizers = {role: bank.get(layer, role) for role in ("k", "v")}
+        super().__init__(bank, layer, residual)
         for quantizer in self.quantizers.values():
-            reason = fused_support_reason(quantizer)
+            reason = kernels.packing_reason(quantizer)
             if reason:
                 raise KvqError(reason)
         d = bank.geometry.head_dim
         self.stores = {role: PackedStore(q.inner.bits, d) for role, q in self.quantizers.items()}
-        self.window = residual
         self.raw: dict[str, torch.Tensor] = {}
         self.count = 0
         self.maps: DomainMaps | None = None
@@ -251,11 +243,7 @@ class FusedLayer(DynamicLayer):
 
     def persistent_bytes(self) -> int:
         """Allocated packed buffers (capacity, not just length) plus the window buffers."""
-        windows = sum(t.numel() * t.element_size() for t in self.raw.values())
-        return sum(store.held_bytes() for store in self.stores.values()) + windows
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise KvqError("QuantizedKVCache cannot crop packed tokens (assisted decoding is not supported)")
+        return sum(store.held_bytes() for store in self.stores.values()) + held_bytes(self.raw.values())
 
 
 class QuantizedKVCache(DynamicCache):
@@ -265,7 +253,7 @@ class QuantizedKVCache(DynamicCache):
         if not self.layers:
             raise KvqError("QuantizedKVCache needs a model config with its layer types")
 
-        def quantized_layer(index: int) -> DynamicLayer:
+        def quantized_layer(index: int) -> WindowedLayer:
             if fused:
                 return FusedLayer(bank, index, residual)
             return QuantizedLayer(bank, index, residual, keep_dequantized_prefix)
@@ -274,18 +262,16 @@ class QuantizedKVCache(DynamicCache):
 
     def memory_bytes(self) -> int:
         """Bytes this cache must hold between steps (packed data, windows, sliding layers)."""
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, (QuantizedLayer, FusedLayer)):
-                total += layer.persistent_bytes()
-            elif layer.is_initialized:
-                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-        return total
+        return sum(layer.persistent_bytes() if isinstance(layer, WindowedLayer) else _dynamic_layer_bytes(layer)
+                   for layer in self.layers)
+
+
+def _dynamic_layer_bytes(layer) -> int:
+    return held_bytes((layer.keys, layer.values)) if layer.is_initialized else 0
 
 
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
-               for t in (layer.keys, layer.values))
+    return sum(_dynamic_layer_bytes(layer) for layer in cache.layers)
 
 
 @contextmanager

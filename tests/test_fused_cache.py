@@ -11,8 +11,9 @@ from conftest import DEVICES
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
-from kvq.cache import FusedLayer, QuantizedKVCache, QuantizedLayer, fused_decoding, fused_support_reason
+from kvq.cache import FusedLayer, QuantizedKVCache, QuantizedLayer, fused_decoding
 from kvq.errors import KvqError
+from kvq.kernels import packing_reason
 from kvq.quant import QuantSpec
 
 
@@ -67,7 +68,7 @@ def test_fused_memory_counts_allocated_buffers():
 
 
 def test_fused_cache_refuses_what_it_cannot_hold():
-    assert fused_support_reason(QuantizerBank(QuantSpec("srft", 4), KVGeometry(1, 1, 64)).get(0, "k")) is None
+    assert packing_reason(QuantizerBank(QuantSpec("srft", 4), KVGeometry(1, 1, 64)).get(0, "k")) is None
     for spec in (QuantSpec("srft", 3), QuantSpec("int", 4, "per_channel"), QuantSpec("hqmq", 4)):
         bank = QuantizerBank(spec, KVGeometry(1, 1, 64))
         with pytest.raises(KvqError):

@@ -12,7 +12,8 @@ import torch
 from conftest import requires_cuda
 
 from kvq import kernels
-from kvq.kernels.decode_attention import PackedKV, _decode_attention_triton, decode_attention_reference
+from kvq.bench import random_packed
+from kvq.kernels.decode_attention import _decode_attention_triton, decode_attention_reference
 from kvq.kernels.plan import plan_for, unsupported_reason
 from kvq.kernels.source import translation_unit
 from kvq.quant.packing import unpack
@@ -135,16 +136,6 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
     torch.testing.assert_close(out.float(), q.decode(packed).float(), atol=tolerance * x.float().abs().max(), rtol=0)
 
 
-def _random_packed(batch, heads, tokens, d, bits, group, generator):
-    low, high = -(1 << (bits - 1)) + 1, 1 << (bits - 1)
-    codes = torch.randint(low, high, (batch, heads, tokens, d), generator=generator)
-    from kvq.quant.packing import pack
-
-    # K/V of unit scale whatever the width: codes span +-qmax, so scales shrink as bits grow
-    scales = (torch.rand(batch, heads, tokens, d // group, generator=generator) * 0.3 + 0.05) * 7 / (high - 1)
-    return PackedKV(pack(codes, bits).cuda(), scales.cuda(), bits, d)
-
-
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, bits, group", [
@@ -157,8 +148,8 @@ def _random_packed(batch, heads, tokens, d, bits, group, generator):
 def test_triton_decode_attention_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens, window, bits,
                                                                group):
     generator = torch.Generator().manual_seed(tokens)
-    keys = _random_packed(batch, kv_heads, tokens, d, bits, group, generator)
-    values = _random_packed(batch, kv_heads, tokens, d, bits, group, generator)
+    keys = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator)
+    values = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator)
     window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).cuda()
     window_keys, window_values = window_buffer[0, :, :, :window], window_buffer[1, :, :, :window]
     query = torch.randn(batch, q_heads, d, generator=generator).cuda()

@@ -9,7 +9,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from kvq.kernels.backends import BACKENDS, KernelBackend
-from kvq.kernels.plan import KernelPlan, plan_for, unsupported_reason
+from kvq.kernels.plan import KernelPlan, packing_reason, plan_for, unsupported_reason
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarPacked
@@ -27,10 +27,7 @@ def device_plan(quantizer: Quantizer, device: torch.device) -> KernelPlan | None
     key = str(device)
     if key not in per_device:
         plan = plan_for(quantizer)
-        if plan is not None:
-            lam = plan.lam.to(device=device, dtype=torch.float32) if plan.lam is not None else None
-            plan = KernelPlan(plan.d, plan.bits, plan.group, plan.rotation, plan.signs.to(device), lam)
-        per_device[key] = plan
+        per_device[key] = plan.on(device) if plan is not None else None
     return per_device[key]
 
 
@@ -56,8 +53,9 @@ def metered_encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
 
 
 def decode(quantizer: Quantizer, packed: Packed) -> torch.Tensor:
-    backend, plan = _kernel_route(quantizer, packed.inner.codes.device) if isinstance(packed, RotatedPacked) \
-        else (None, None)
+    if not isinstance(packed, RotatedPacked):
+        return quantizer.decode(packed)
+    backend, plan = _kernel_route(quantizer, packed.inner.codes.device)
     if backend is None:
         return quantizer.decode(packed)
     inner = packed.inner
@@ -97,5 +95,5 @@ def available() -> dict[str, str]:
     return report
 
 
-__all__ = ["KernelPlan", "available", "backend_for", "decode", "encode", "metered_encode", "plan_for",
-           "unsupported_reason"]
+__all__ = ["KernelPlan", "available", "backend_for", "decode", "encode", "metered_encode", "packing_reason",
+           "plan_for", "unsupported_reason"]

@@ -21,7 +21,7 @@ class KernelBackend:
         scales = torch.empty(n, plan.groups, dtype=torch.float32, device=rows.device)
         if n:
             self._launch(plan, "kvq_quantize", rows.dtype, torch.float32, n,
-                         [rows, *self._constants(plan, rows.device), codes, scales])
+                         [rows, *self._constants(plan), codes, scales])
         return codes, scales
 
     def dequantize(self, plan: KernelPlan, codes: torch.Tensor, scales: torch.Tensor,
@@ -30,14 +30,14 @@ class KernelBackend:
         rows = torch.empty(n, plan.d, dtype=dtype, device=codes.device)
         if n:
             self._launch(plan, "kvq_dequantize", torch.float32, dtype, n,
-                         [codes, scales, *self._constants(plan, codes.device), rows])
+                         [codes, scales, *self._constants(plan), rows])
         return rows
 
     @staticmethod
-    def _constants(plan: KernelPlan, device: torch.device) -> list:
-        signs = plan.signs.to(device)
-        lam = plan.lam.to(device=device, dtype=torch.float32) if plan.lam is not None else signs
-        return [signs, lam, int(plan.lam is not None)]
+    def _constants(plan: KernelPlan) -> list:
+        """Kernel arguments from a plan already on the tensors' device (KernelPlan.on)."""
+        lam = plan.lam if plan.lam is not None else plan.signs  # unread when has_lam is 0
+        return [plan.signs, lam, int(plan.lam is not None)]
 
     def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
         raise NotImplementedError

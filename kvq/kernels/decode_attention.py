@@ -22,9 +22,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedPacked
-from kvq.quant.scalar import ScalarPacked
+from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
 
 try:
     import triton
@@ -69,10 +68,9 @@ class PackedKV:
         return RotatedPacked(ScalarPacked(self.codes, self.scales.unsqueeze(-1), None, None, shape, dtype))
 
     def dequantized(self) -> torch.Tensor:
-        codes = unpack(self.codes, self.bits, self.head_dim, signed=True).float()
-        groups = self.scales.shape[-1]
-        grouped = codes.view(*codes.shape[:-1], groups, self.group) * self.scales.unsqueeze(-1)
-        return grouped.view(codes.shape)
+        """float32 codes x scales in the quantizer's rotated domain (the reference ScalarQuantizer decode;
+        per-token scales are the one-group case)."""
+        return ScalarQuantizer(self.bits, "per_group", self.group).decode(self.as_packed(torch.float32).inner)
 
 
 def decode_attention_reference(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values,

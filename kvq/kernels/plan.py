@@ -43,6 +43,11 @@ class KernelPlan:
     def groups(self) -> int:
         return self.d // self.group
 
+    def on(self, device: torch.device) -> "KernelPlan":
+        """The same plan with its constants (signs, float32 lambda) on `device`."""
+        lam = self.lam.to(device=device, dtype=torch.float32) if self.lam is not None else None
+        return KernelPlan(self.d, self.bits, self.group, self.rotation, self.signs.to(device), lam)
+
     def defines(self) -> dict[str, int]:
         return {"KVQ_D": self.d, "KVQ_GROUP": self.group, "KVQ_BITS": self.bits, "KVQ_ROT": self.rotation,
                 "KVQ_VPB": self.vectors_per_group}
@@ -52,22 +57,32 @@ def _power_of_two(n: int) -> bool:
     return n >= 1 and not n & (n - 1)
 
 
+def packing_reason(quantizer) -> str | None:
+    """None when the quantizer packs as the kernels and the fused cache store codes: a rotated symmetric
+    int4/int8 scalar quantizer with float32 per-token or per-group scales; else why not."""
+    inner = getattr(quantizer, "inner", None)
+    if not isinstance(quantizer, RotatedQuantizer) or not isinstance(inner, ScalarQuantizer):
+        return f"{type(quantizer).__name__} is not a rotated scalar quantizer"
+    if inner.bits not in KERNEL_BITS or not inner.symmetric or inner.scale_dtype != torch.float32:
+        return "packed kernels and the fused cache need symmetric int4/int8 codes with float32 scales"
+    if inner.granularity not in ("per_token", "per_group"):
+        return f"granularity {inner.granularity} has no kernel (per_channel scales span tokens)"
+    return None
+
+
 def unsupported_reason(quantizer) -> str | None:
     """None when a fused kernel implements this quantizer exactly; else why not."""
-    if not isinstance(quantizer, RotatedQuantizer) or not isinstance(quantizer.inner, ScalarQuantizer):
-        return f"{type(quantizer).__name__} is not a rotated scalar quantizer"
+    reason = packing_reason(quantizer)
+    if reason:
+        return reason
     inner = quantizer.inner
     if type(quantizer.rotation) not in ROTATION_CODES:
         return f"rotation {type(quantizer.rotation).__name__} has no kernel (learned rotations run in torch)"
-    if inner.bits not in KERNEL_BITS or not inner.symmetric or inner.scale_dtype != torch.float32:
-        return "kernels pack symmetric int4/int8 with float32 scales"
     d = quantizer.rotation.d
     if not _power_of_two(d) or not 8 <= d <= 512:
         return f"kernels need a power-of-two head_dim in 8..512, got {d}"
     if inner.granularity == "per_group" and not (_power_of_two(inner.group_size) and inner.group_size >= 2):
         return f"kernels need a power-of-two group size >= 2, got {inner.group_size}"
-    if inner.granularity not in ("per_token", "per_group"):
-        return f"granularity {inner.granularity} has no kernel (per_channel scales span tokens)"
     return None
 
 
