@@ -3,7 +3,8 @@
     python benchmarks/attention_configs.py --context 32768
 
 Shapes are Llama-3-8B's (32 query / 8 KV heads, d=128), int4 with g32 scales; the timing is CUDA-graph
-replay, as `kvq bench kernels`. Put the winner in kvq.kernels.decode_attention.LaunchConfig.
+replay over distinct layers' caches, as `kvq bench kernels`. Put the winner in
+kvq.kernels.decode_attention.LaunchConfig.
 """
 
 import argparse
@@ -12,7 +13,7 @@ from functools import partial
 
 import torch
 
-from kvq.bench import random_packed, time_call
+from kvq.bench import packed_layers, time_per_layer
 from kvq.kernels import decode_attention
 
 
@@ -22,16 +23,15 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for tokens in args.context:
-        keys, values = (random_packed(1, 8, tokens, 128, 4, 32, "cuda") for _ in range(2))
+        caches = packed_layers(tokens, 8, 128, 32, "cuda")
         window = torch.randn(1, 8, 8, 128, device="cuda", dtype=torch.float16)
         query = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
         maps = torch.linalg.qr(torch.randn(128, 128, device="cuda"))[0]
-        for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (2, 4, 8)):
+        for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4), (1, 2, 3), (2, 4, 8)):
             decode_attention.LAUNCH = decode_attention.LaunchConfig(block, warps, stages, waves)
-            step = partial(decode_attention.decode_attention, query, maps, keys, values, window, window, maps.T,
-                           128 ** -0.5)
+            step = partial(decode_attention.decode_attention, query, maps)
             try:
-                seconds = time_call(step, "cuda", graph=True)
+                seconds = time_per_layer(lambda k, v: step(k, v, window, window, maps.T, 128 ** -0.5), caches, "cuda")
             except Exception as error:  # a configuration that does not fit is skipped, and said so
                 print(f"T={tokens} block={block} warps={warps} stages={stages} waves={waves}: {type(error).__name__}")
                 continue

@@ -1,9 +1,13 @@
 """Fused int4/int8 decode attention (query length 1) over a packed, rotated KV cache.
 
 Open-TQ-Metal Alg. 1 with FlashDecoding's split-K (Sec. 3.2, Eq. 5): each program reads packed K/V
-codes and their scales directly, dequantizes in registers, keeps an online softmax over its slice of
-the sequence and writes a partial (o_c, m_c, l_c); a reduce pass combines the partials. One program
-serves all query heads of a KV head (GQA), so every KV byte is read once.
+codes and their scales directly, turns the codes into exact fp16 integers in registers (a magic-number
+conversion, two nibbles per instruction pair), keeps an online softmax over its slice of the sequence
+and writes a partial (o_c, m_c, l_c); a reduce pass combines the partials. One program serves all
+query heads of a KV head (GQA), so every KV byte is read once. Scales never multiply the codes: the
+query's rows are laid out once per scale group (see _online_softmax_step), so each group's share of
+q . k meets its scale in float32 after the tensor-core product, and the probabilities carry the V
+scales into the second product.
 
 Packed codes live in the quantizers' rotated, lambda-scaled domains (y = lam * R x). With
 query_map = R_k^T diag(1/lam_k) and output_map = diag(1/lam_v) R_v: q . k = (q query_map) . y_k and
@@ -32,17 +36,18 @@ except ImportError:  # CPU installs: the reference path serves
     triton = None
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
+MAX_ROWS = 64  # query rows x scale groups per program beyond which the accumulators spill: reference path
 WIDE_HEAD = 256  # from this head_dim on, shallower pipelining keeps the K/V tiles inside shared memory
 
 
 @dataclass
 class LaunchConfig:
-    """Tile and pipelining choices. Defaults: the fastest of benchmarks/attention_configs.py's sweep on an
-    H100 at 8K and 32K tokens (Llama-3-8B shapes, int4 g32)."""
+    """Tile and pipelining choices. Defaults: benchmarks/attention_configs.py's sweep on an H100 at 32K
+    and 128K tokens (Llama-3-8B shapes, int4 g32): within 1 us of the fastest at both."""
 
     block: int = 64
     num_warps: int = 2
-    num_stages: int = 1
+    num_stages: int = 3
     waves: int = 4  # programs per SM to aim for when splitting the sequence
 
 
@@ -83,49 +88,67 @@ def decode_attention_reference(query, query_map, keys: PackedKV, values: PackedK
     return out.squeeze(-2).to(query.dtype)
 
 
-def supported(keys: PackedKV, query_heads: int) -> bool:
+def supported(keys: PackedKV, values: PackedKV, query_heads: int) -> bool:
+    kv_heads = keys.codes.shape[1]
     return (triton is not None and keys.codes.is_cuda and keys.bits in (4, 8)
             and keys.head_dim // 2 >= MIN_DOT and keys.head_dim & (keys.head_dim - 1) == 0
-            and query_heads % keys.codes.shape[1] == 0)
+            and query_heads % kv_heads == 0
+            and _grouped_rows(query_heads // kv_heads, keys.scales.shape[-1], values.scales.shape[-1]) <= MAX_ROWS)
 
 
 def decode_attention(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values, output_map,
                      scale: float):
     arguments = (query, query_map, keys, values, window_keys, window_values, output_map, scale)
-    if supported(keys, query.shape[1]):
+    if supported(keys, values, query.shape[1]):
         return _decode_attention_triton(*arguments)
     return decode_attention_reference(*arguments)
 
 
 if triton is not None:
 
-    @triton.jit
-    def _load_packed(codes_ptr, scales_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr,
-                     GROUPS: tl.constexpr, BLOCK: tl.constexpr):
-        """Even and odd coordinates of a (BLOCK, d) tile, dequantized in registers (fp16).
+    # Two's-complement nibbles to exact fp16 integers, 8 values per 12 instructions: place each nibble in
+    # an fp16 mantissa under exponent 1024 while flipping its sign bit ((n & 0xF) ^ 8 = n + 8), then
+    # subtract 1032 (0x6408) from both halves at once. Outputs: low nibbles, then high nibbles, of 4 bytes.
+    _NIBBLES_TO_F16 = tl.constexpr("""
+    {
+    .reg .b32 lo, hi, bias;
+    prmt.b32 lo, $4, 0, 0x4140;
+    prmt.b32 hi, $4, 0, 0x4342;
+    mov.b32 bias, 0x64086408;
+    lop3.b32 $0, lo, 0x000F000F, 0x64086408, 0x6a;
+    lop3.b32 $1, hi, 0x000F000F, 0x64086408, 0x6a;
+    shr.u32 lo, lo, 4;
+    shr.u32 hi, hi, 4;
+    lop3.b32 $2, lo, 0x000F000F, 0x64086408, 0x6a;
+    lop3.b32 $3, hi, 0x000F000F, 0x64086408, 0x6a;
+    sub.f16x2 $0, $0, bias;
+    sub.f16x2 $1, $1, bias;
+    sub.f16x2 $2, $2, bias;
+    sub.f16x2 $3, $3, bias;
+    }
+    """)
 
-        codes_ptr / scales_ptr point at this head's rows (HALF * BITS // 4 bytes, GROUPS scales each);
-        a group's scale is loaded once and broadcast over its GROUP / 2 pairs.
-        """
+    @triton.jit
+    def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr):
+        """Even and odd coordinates of a (BLOCK, d) tile of codes as exact fp16 integers (codes_ptr: this
+        head's rows of HALF * BITS // 4 bytes)."""
         pairs = tl.arange(0, HALF)
         row_bytes: tl.constexpr = HALF * BITS // 4
         if BITS == 4:
             byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + pairs[None, :], mask=valid[:, None], other=0)
-            byte = byte.to(tl.int32)
-            even = ((byte & 0xF) ^ 8) - 8
-            odd = ((byte >> 4) ^ 8) - 8
+            even, odd = tl.inline_asm_elementwise(_NIBBLES_TO_F16, "=r,=r,=r,=r,r", [byte],
+                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:
             at = codes_ptr + tokens[:, None] * row_bytes + 2 * pairs[None, :]
-            even = tl.load(at, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.int32)
-            odd = tl.load(at + 1, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.int32)
+            even = tl.load(at, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float16)
+            odd = tl.load(at + 1, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float16)
+        return even, odd
+
+    @triton.jit
+    def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr):
+        """(GROUPS, BLOCK) scales of a tile: one row per scale group."""
         groups = tl.arange(0, GROUPS)
-        scale = tl.load(scales_ptr + tokens[:, None] * GROUPS + groups[None, :], mask=valid[:, None], other=0.0)
-        per_group: tl.constexpr = HALF // GROUPS
-        even = tl.reshape(tl.reshape(even.to(tl.float32), (BLOCK, GROUPS, per_group)) * scale[:, :, None],
-                          (BLOCK, HALF))
-        odd = tl.reshape(tl.reshape(odd.to(tl.float32), (BLOCK, GROUPS, per_group)) * scale[:, :, None],
-                         (BLOCK, HALF))
-        return even.to(tl.float16), odd.to(tl.float16)
+        return tl.load(scales_ptr + tokens[None, :] * GROUPS + groups[:, None], mask=valid[None, :], other=0.0)
 
     @triton.jit
     def _load_window(ptr, tokens, valid, HALF: tl.constexpr):
@@ -135,47 +158,80 @@ if triton is not None:
         return even.to(tl.float16), odd.to(tl.float16)
 
     @triton.jit
-    def _online_softmax_step(q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd):
-        scores = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+    def _by_group(x, GROUPS: tl.constexpr):
+        """(GQA_P,) -> (GROUPS * GQA_P,): x repeated once per scale group (entry g * GQA_P + h)."""
+        return tl.reshape(tl.broadcast_to(x[None, :], (GROUPS, x.shape[0])), (GROUPS * x.shape[0],))
+
+    @triton.jit
+    def _online_softmax_step(q_even, q_odd, k_even, k_odd, k_scales, v_even, v_odd, v_scales, valid, m_i, l_i,
+                             acc_even, acc_odd, GQA_P: tl.constexpr, BLOCK: tl.constexpr):
+        """One tile of Alg. 1 with the scales kept out of the products: row block g of the query holds its
+        group-g coordinates only, so one dot gives every group's share of q . codes, and each share meets
+        its token's scale in float32; likewise row block g of the weights carries p * (group-g V scale)
+        and keeps its own columns at the end (_own_columns). The codes enter the tensor cores exact."""
+        K_GROUPS: tl.constexpr = k_scales.shape[0]
+        V_GROUPS: tl.constexpr = v_scales.shape[0]
+        shares = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even)))
+        scores = tl.sum(tl.reshape(shares, (K_GROUPS, GQA_P, BLOCK)) * k_scales[:, None, :], 0)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p16 = p.to(tl.float16)
-        acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
-        acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
+        weights = tl.reshape(p[None, :, :] * v_scales[:, None, :], (V_GROUPS * GQA_P, BLOCK)).to(tl.float16)
+        alpha = _by_group(alpha, V_GROUPS)[:, None]
+        acc_even = tl.dot(weights, v_even, acc_even * alpha)
+        acc_odd = tl.dot(weights, v_odd, acc_odd * alpha)
         return m_new, l_i, acc_even, acc_odd
+
+    @triton.jit
+    def _own_columns(acc, GQA_P: tl.constexpr):
+        """(GROUPS * GQA_P, HALF) -> (GQA_P, HALF): each coordinate from its own group's row block."""
+        GROUPS: tl.constexpr = acc.shape[0] // GQA_P
+        HALF: tl.constexpr = acc.shape[1]
+        own = (tl.arange(0, HALF)[None, :] // (HALF // GROUPS)) == tl.arange(0, GROUPS)[:, None]
+        return tl.sum(tl.where(own[:, None, :], tl.reshape(acc, (GROUPS, GQA_P, HALF)), 0.0), 0)
+
+    @triton.jit
+    def _grouped_query(ptr, row_offset, row_ok, scale, HALF: tl.constexpr, GROUPS: tl.constexpr,
+                       GQA_P: tl.constexpr):
+        """(GROUPS * GQA_P, HALF) even and odd query coordinates times `scale`, fp16; row block g keeps
+        group g's coordinates and zeros elsewhere. row_offset / row_ok: (GQA_P,) element offsets, validity."""
+        pairs = tl.arange(0, HALF)
+        rows = tl.arange(0, GROUPS * GQA_P)
+        mine = (pairs[None, :] // (HALF // GROUPS)) == (rows // GQA_P)[:, None]
+        at = ptr + _by_group(row_offset, GROUPS)[:, None] + 2 * pairs[None, :]
+        mask = mine & _by_group(row_ok, GROUPS)[:, None]
+        even = tl.load(at, mask=mask, other=0.0).to(tl.float32) * scale
+        odd = tl.load(at + 1, mask=mask, other=0.0).to(tl.float32) * scale
+        return even.to(tl.float16), odd.to(tl.float16)
 
     @triton.jit(do_not_specialize=["n_packed", "n_window", "tokens_per_split", "n_packed_splits"])
     def _partial_kernel(
-        q_ptr, qrot_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
+        q_ptr, qmap_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
         n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, capacity, window_capacity, scale,
-        GQA: tl.constexpr, GQA_PAD: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
+        GQA: tl.constexpr, GQA_P: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
         K_GROUPS: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """Codes and scales are (B, Hkv, capacity, .) buffers, windows (B, Hkv, window_capacity, d), all
         contiguous; q and q @ query_map (B, Hq, d); partials (B, Hq, splits, d) and (B, Hq, splits).
-        Packed splits score q @ query_map against the codes; the last split scores q against the window."""
+        Packed splits score q @ query_map against the codes; the last split scores q against the window,
+        whose exact values pass through the same grouped step with unit scales."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         n_splits = tl.num_programs(1)
         b = pid_bh // kv_heads
-        rows = tl.arange(0, GQA_PAD)
+        rows = tl.arange(0, GQA_P)
         heads = (pid_bh % kv_heads) * GQA + rows
         row_ok = rows < GQA
-        pairs = tl.arange(0, HALF)
-        q_offset = (b * kv_heads * GQA + heads[:, None]) * (2 * HALF)
-        q_base = tl.where(split < n_packed_splits, qrot_ptr, q_ptr) + q_offset
-        q_even = (tl.load(q_base + 2 * pairs[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
-        q_odd = (tl.load(q_base + 2 * pairs[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale)
-        q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
-        m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GQA_PAD], tl.float32)
-        acc_even = tl.zeros([GQA_PAD, HALF], tl.float32)
-        acc_odd = tl.zeros([GQA_PAD, HALF], tl.float32)
+        q_offset = (b * kv_heads * GQA + heads) * (2 * HALF)
+        m_i = tl.full([GQA_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GQA_P], tl.float32)
+        acc_even = tl.zeros([V_GROUPS * GQA_P, HALF], tl.float32)
+        acc_odd = tl.zeros([V_GROUPS * GQA_P, HALF], tl.float32)
         row = pid_bh.to(tl.int64) * capacity
         if split < n_packed_splits:
+            q_even, q_odd = _grouped_query(qmap_ptr, q_offset, row_ok, scale, HALF, K_GROUPS, GQA_P)
             start = split * tokens_per_split
             end = tl.minimum(start + tokens_per_split, n_packed)
             kc = kc_ptr + row * (HALF * BITS // 4)
@@ -185,25 +241,44 @@ if triton is not None:
             for t0 in range(start, end, BLOCK):
                 tokens = t0 + tl.arange(0, BLOCK)
                 valid = tokens < end
-                k_even, k_odd = _load_packed(kc, ks, tokens, valid, BITS, HALF, K_GROUPS, BLOCK)
-                v_even, v_odd = _load_packed(vc, vs, tokens, valid, BITS, HALF, V_GROUPS, BLOCK)
+                k_even, k_odd = _load_codes(kc, tokens, valid, BITS, HALF)
+                v_even, v_odd = _load_codes(vc, tokens, valid, BITS, HALF)
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
-                    q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd)
+                    q_even, q_odd, k_even, k_odd, _load_scales(ks, tokens, valid, K_GROUPS), v_even, v_odd,
+                    _load_scales(vs, tokens, valid, V_GROUPS), valid, m_i, l_i, acc_even, acc_odd, GQA_P, BLOCK)
         else:
+            q_even, q_odd = _grouped_query(q_ptr, q_offset, row_ok, scale, HALF, K_GROUPS, GQA_P)
             window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)
+            k_unit = tl.full([K_GROUPS, BLOCK], 1.0, tl.float32)
+            v_unit = tl.full([V_GROUPS, BLOCK], 1.0, tl.float32)
             for t0 in range(0, n_window, BLOCK):
                 tokens = t0 + tl.arange(0, BLOCK)
                 valid = tokens < n_window
                 k_even, k_odd = _load_window(kw_ptr + window_row, tokens, valid, HALF)
                 v_even, v_odd = _load_window(vw_ptr + window_row, tokens, valid, HALF)
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
-                    q_even, q_odd, k_even, k_odd, v_even, v_odd, valid, m_i, l_i, acc_even, acc_odd)
+                    q_even, q_odd, k_even, k_odd, k_unit, v_even, v_odd, v_unit, valid, m_i, l_i, acc_even,
+                    acc_odd, GQA_P, BLOCK)
         stat = (b * kv_heads * GQA + heads) * n_splits + split
         o_base = o_ptr + stat[:, None] * (2 * HALF)
-        tl.store(o_base + 2 * pairs[None, :], acc_even, mask=row_ok[:, None])
-        tl.store(o_base + 2 * pairs[None, :] + 1, acc_odd, mask=row_ok[:, None])
+        pairs = tl.arange(0, HALF)
+        tl.store(o_base + 2 * pairs[None, :], _own_columns(acc_even, GQA_P), mask=row_ok[:, None])
+        tl.store(o_base + 2 * pairs[None, :] + 1, _own_columns(acc_odd, GQA_P), mask=row_ok[:, None])
         tl.store(m_ptr + stat, m_i, mask=row_ok)
         tl.store(l_ptr + stat, l_i, mask=row_ok)
+
+    @triton.jit
+    def _map_query_kernel(q_ptr, map_ptr, out_ptr, D: tl.constexpr, CHUNK: tl.constexpr):
+        """out = q @ query_map in float32, one program per (batch, query head): the query's cast and
+        product in one launch (the decode step is launch-bound at short context)."""
+        bh = tl.program_id(0)
+        cols = tl.arange(0, D)
+        acc = tl.zeros([D], tl.float32)
+        for r0 in tl.static_range(0, D, CHUNK):
+            rows = r0 + tl.arange(0, CHUNK)
+            q = tl.load(q_ptr + bh * D + rows).to(tl.float32)
+            acc += tl.sum(q[:, None] * tl.load(map_ptr + rows[:, None] * D + cols[None, :]), 0)
+        tl.store(out_ptr + bh * D + cols, acc)
 
     @triton.jit
     def _reduce_kernel(o_ptr, m_ptr, l_ptr, omap_ptr, out_ptr, n_splits, D: tl.constexpr, SPLITS: tl.constexpr):
@@ -231,6 +306,15 @@ if triton is not None:
 @lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _padded_heads(gqa: int, k_groups: int, v_groups: int) -> int:
+    """Query rows per scale group in the kernel: a power of two >= GQA, with >= MIN_DOT rows in all."""
+    return max(1 << (gqa - 1).bit_length(), MIN_DOT // min(k_groups, v_groups, MIN_DOT))
+
+
+def _grouped_rows(gqa: int, k_groups: int, v_groups: int) -> int:
+    return _padded_heads(gqa, k_groups, v_groups) * max(k_groups, v_groups)
 
 
 def _split_plan(n_packed: int, programs_per_split: int, device: torch.device) -> tuple[int, int]:
@@ -271,8 +355,9 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     dtype = query.dtype
     kv_heads = keys.codes.shape[1]
     n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
-    query, output_map = query.float().contiguous(), output_map.float().contiguous()
-    mapped_query = query @ query_map.float()
+    query, output_map = query.contiguous(), output_map.float().contiguous()
+    mapped_query = torch.empty(batch, q_heads, d, device=query.device, dtype=torch.float32)
+    _map_query_kernel[(batch * q_heads,)](query, query_map.float().contiguous(), mapped_query, D=d, CHUNK=16)
     capacity = _rows_buffer(keys.codes)
     if not (capacity == _rows_buffer(keys.scales) == _rows_buffer(values.codes) == _rows_buffer(values.scales)):
         raise ValueError("packed K and V codes and scales must share one row capacity")
@@ -286,7 +371,8 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     _partial_kernel[(batch * kv_heads, n_splits)](
         query, mapped_query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial,
         maxima, sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, scale,
-        GQA=gqa, GQA_PAD=max(MIN_DOT, triton.next_power_of_2(gqa)), HALF=d // 2, BITS=keys.bits,
+        GQA=gqa, GQA_P=_padded_heads(gqa, keys.scales.shape[-1], values.scales.shape[-1]), HALF=d // 2,
+        BITS=keys.bits,
         K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
         num_warps=LAUNCH.num_warps, num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages,
     )
