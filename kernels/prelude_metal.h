@@ -3,33 +3,40 @@
 using namespace metal;
 #define KVQ_DEVICE_FN inline
 #define KVQ_GMEM device
-#define KVQ_SMEM threadgroup
-#define KVQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define KVQ_THREAD thread
+typedef ulong kvq_index;
+#define KVQ_UNROLL _Pragma("unroll")
 // precise:: keeps IEEE results under Metal's default fast-math, so codes match the CUDA build.
 #define kvq_rint(x) precise::rint(x)
-#define kvq_cospi(x) precise::cospi(x)
-#define kvq_sinpi(x) precise::sinpi(x)
 #define kvq_sqrt(x) precise::sqrt(x)
-#define kvq_rsqrt(x) (1.0f / precise::sqrt(x))
 #define kvq_fabs(x) fabs(x)
 #define kvq_max(a, b) max(a, b)
 #define kvq_clamp(x, lo, hi) clamp(x, lo, hi)
-#define kvq_float2(a, b) float2(a, b)
 
 #if defined(KVQ_IN_FLOAT32)
 #define KVQ_IN_T float
+#define KVQ_IN_PER_WORD 1
+#define kvq_in_element(word, e) as_type<float>(word)
 #elif defined(KVQ_IN_FLOAT16)
 #define KVQ_IN_T half
+#define KVQ_IN_PER_WORD 2
+#define kvq_in_element(word, e) ((float)as_type<half2>(word)[e])
 #else
 #define KVQ_IN_T bfloat
+#define KVQ_IN_PER_WORD 2
+#define kvq_in_element(word, e) as_type<float>(((word) >> (16 * (e))) << 16)
 #endif
-#define kvq_load_in(p, i) ((float)(p)[i])
 
 #if defined(KVQ_OUT_FLOAT32)
 #define KVQ_OUT_T float
+#define KVQ_OUT_PER_WORD 1
+#define kvq_out_word(v) as_type<uint>((v)[0])
 #elif defined(KVQ_OUT_FLOAT16)
 #define KVQ_OUT_T half
+#define KVQ_OUT_PER_WORD 2
+#define kvq_out_word(v) as_type<uint>(half2((half)(v)[0], (half)(v)[1]))
 #else
 #define KVQ_OUT_T bfloat
+#define KVQ_OUT_PER_WORD 2
+#define kvq_out_word(v) as_type<uint>(bfloat2((bfloat)(v)[0], (bfloat)(v)[1]))
 #endif
-#define kvq_store_out(p, i, v) ((p)[i] = (KVQ_OUT_T)(v))

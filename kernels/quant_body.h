@@ -1,168 +1,188 @@
 // Fused rotate + lambda + abs-max + pack (and its inverse): the one algorithm shared by the CUDA
-// build (NVRTC) and the Metal build (torch.mps.compile_shader). SRFT paper Sec. 3.2 and 7.1.
+// build (NVRTC), the Metal build (torch.mps.compile_shader) and the host build the tests run.
+// SRFT paper Sec. 3.2 and 7.1.
+//
+// One thread per vector, the whole vector in registers: every loop has compile-time bounds and is
+// unrolled (KVQ_UNROLL), so every array index is a constant and no shared memory, barrier or
+// shuffle is needed. (A threadgroup-per-vector version spent its time on barriers and index
+// arithmetic: ~600 instructions per thread for 64 threads per d=128 vector.)
 //
 // The including prelude defines the backend words: KVQ_DEVICE_FN, KVQ_GMEM (global address space),
-// KVQ_SMEM (threadgroup/shared address space), KVQ_BARRIER(), kvq_rint (round half to even, as
-// torch.round), kvq_cospi/kvq_sinpi, kvq_load_in/kvq_store_out (the input and output element types),
-// KVQ_IN_T/KVQ_OUT_T. The caller defines the shape constants:
+// KVQ_THREAD (private address space, for pointers to a thread's arrays), kvq_index (64-bit),
+// KVQ_UNROLL, kvq_rint (round half to even, as torch.round), kvq_sqrt, kvq_fabs, kvq_max, kvq_clamp,
+// uint4, and the element types' word access: KVQ_IN_T / KVQ_OUT_T, KVQ_IN_PER_WORD /
+// KVQ_OUT_PER_WORD (elements per 32-bit word), kvq_in_element(word, e), kvq_out_word(values).
+// The caller defines the shape constants:
 //   KVQ_D      head_dim (power of two, 8..512)
 //   KVQ_GROUP  coordinates sharing one scale (KVQ_D for per-token), a power of two >= 2
 //   KVQ_BITS   4 (two nibbles per byte, even coordinate in the low nibble) or 8 (one byte)
 //   KVQ_ROT    0 identity, 1 SRHT, 2 SRFT
-// Thread layout: KVQ_D / 2 threads per vector, thread j owning coordinates 2j and 2j+1;
-// KVQ_VPB vectors per threadgroup. Every barrier is reached by all threads (inactive lanes of a
-// partial last group only skip memory traffic), as Sec. 3.2 requires.
+//   KVQ_TWIDDLES  cos, sin of pi k / (D/2) for k < D/2, as float literals: constant indices into a
+//                 constant table let the compiler fold them into the butterflies' instructions
+// Host constants: signs (D), lambda (D, read when has_lam).
 
 #define KVQ_HALF (KVQ_D / 2)
 #define KVQ_QMAX ((1 << (KVQ_BITS - 1)) - 1)
 #define KVQ_GROUPS (KVQ_D / KVQ_GROUP)
 #define KVQ_CODE_BYTES (KVQ_D * KVQ_BITS / 8)
-// Per threadgroup scratch, in floats: two FFT ping-pong buffers and the reduction lanes per vector,
-// then one shared twiddle table (cos, sin of pi k / (D/2)).
-#define KVQ_SMEM_FLOATS (KVQ_VPB * (2 * KVQ_D + KVQ_HALF) + KVQ_D)
+#define KVQ_CODES_PER_WORD (32 / KVQ_BITS)
+#define KVQ_TWIDDLE_TABLE const float twiddles[KVQ_D] = {KVQ_TWIDDLES}
 
-KVQ_DEVICE_FN uint kvq_bit_reverse(uint value, uint bits) {
+KVQ_DEVICE_FN uint kvq_bit_reverse(uint value) {
     uint out = 0;
-    for (uint b = 0; b < bits; ++b) {
-        out = (out << 1) | ((value >> b) & 1u);
+    KVQ_UNROLL for (uint b = 1; b < KVQ_HALF; b <<= 1) {
+        out = (out << 1) | (value & 1u);
+        value >>= 1;
     }
     return out;
 }
 
-KVQ_DEVICE_FN uint kvq_log2(uint value) {
-    uint bits = 0;
-    while ((1u << bits) < value) ++bits;
-    return bits;
-}
-
-// twiddles[2k], twiddles[2k+1] = cos, sin of pi k / (D/2) for k < D/2: one cospi/sinpi per thread
-// instead of one per butterfly. Stage m's angle pi k / m is entry k * (D/2) / m, the same float.
-KVQ_DEVICE_FN void kvq_fill_twiddles(KVQ_SMEM float* twiddles, uint tid) {
-    if (tid < KVQ_HALF) {
-        twiddles[2 * tid] = kvq_cospi((float)tid / (float)KVQ_HALF);
-        twiddles[2 * tid + 1] = kvq_sinpi((float)tid / (float)KVQ_HALF);
+// In-place radix-2 decimation-in-time FFT of length KVQ_HALF on re = y[0..HALF), im = y[HALF..D),
+// held in bit-reversed order. sign = -1 forward, +1 inverse (unnormalized).
+KVQ_DEVICE_FN void kvq_fft(KVQ_THREAD float* y, float sign) {
+    KVQ_TWIDDLE_TABLE;
+    KVQ_UNROLL for (uint m = 1; m < KVQ_HALF; m <<= 1) {
+        KVQ_UNROLL for (uint k = 0; k < m; ++k) {
+            uint entry = k * (KVQ_HALF / m);  // angle pi k / m
+            float wr = twiddles[2 * entry];
+            float wi = sign * twiddles[2 * entry + 1];
+            KVQ_UNROLL for (uint i0 = k; i0 < KVQ_HALF; i0 += 2 * m) {
+                uint i1 = i0 + m;
+                float br = y[i1], bi = y[KVQ_HALF + i1];
+                // Angles 0 and pi/2 multiply by 1 and +-i exactly (cos pi/2 is not 0 in float, and
+                // IEEE rules keep a compiler from dropping x * 0): about half the butterflies at d=128.
+                float tr = entry == 0 ? br : 2 * entry == KVQ_HALF ? -sign * bi : wr * br - wi * bi;
+                float ti = entry == 0 ? bi : 2 * entry == KVQ_HALF ? sign * br : wr * bi + wi * br;
+                y[i1] = y[i0] - tr;
+                y[KVQ_HALF + i1] = y[KVQ_HALF + i0] - ti;
+                y[i0] += tr;
+                y[KVQ_HALF + i0] += ti;
+            }
+        }
     }
 }
 
-// Radix-2 decimation-in-time FFT of length KVQ_HALF on (re, im) held at index j of `src`, after a
-// bit-reversed load by the caller. sign = -1 forward, +1 inverse (unnormalized). Returns the buffer
-// that holds the result (ping-pong between the two halves of the scratch).
-KVQ_DEVICE_FN KVQ_SMEM float* kvq_fft(KVQ_SMEM float* src, KVQ_SMEM float* dst, KVQ_SMEM const float* twiddles,
-                                      uint j, float sign) {
-    for (uint m = 1; m < KVQ_HALF; m <<= 1) {
-        KVQ_BARRIER();
-        uint pos = j % (2 * m);
-        uint k = pos % m;
-        uint top = pos < m;
-        uint i0 = j - pos + k;
-        uint i1 = i0 + m;
-        uint entry = k * (KVQ_HALF / m);
-        float wr = twiddles[2 * entry];
-        float wi = sign * twiddles[2 * entry + 1];
-        float br = src[i1], bi = src[KVQ_HALF + i1];
-        float tr = wr * br - wi * bi;
-        float ti = wr * bi + wi * br;
-        float ar = src[i0], ai = src[KVQ_HALF + i0];
-        dst[j] = top ? ar + tr : ar - tr;
-        dst[KVQ_HALF + j] = top ? ai + ti : ai - ti;
-        KVQ_SMEM float* swap = src;
-        src = dst;
-        dst = swap;
+// In-place orthonormal Sylvester Walsh-Hadamard transform of y[0..D).
+KVQ_DEVICE_FN void kvq_fwht(KVQ_THREAD float* y) {
+    KVQ_UNROLL for (uint h = 1; h < KVQ_D; h <<= 1) {
+        KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) {
+            if ((i & h) == 0) {
+                float u = y[i], w = y[i + h];
+                y[i] = u + w;
+                y[i + h] = u - w;
+            }
+        }
     }
-    KVQ_BARRIER();
-    return src;
+    float norm = 1.0f / kvq_sqrt((float)KVQ_D);
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] *= norm;
 }
 
-// In-place Sylvester Walsh-Hadamard transform of the KVQ_D values in `buf`, unnormalized.
-KVQ_DEVICE_FN void kvq_fwht(KVQ_SMEM float* buf, uint j) {
-    for (uint h = 1; h < KVQ_D; h <<= 1) {
-        KVQ_BARRIER();
-        uint i = (j / h) * 2 * h + (j % h);
-        float u = buf[i], w = buf[i + h];
-        KVQ_BARRIER();
-        buf[i] = u + w;
-        buf[i + h] = u - w;
+// Z = FFT(z) with z_t = x_{2t} + i x_{2t+1} sits in y (re | im); replace it by the Eq. 2 packing of
+// X = DFT_D(x): y_0 = X_0, y_HALF = X_{D/2}, (y_j, y_{HALF+j}) = sqrt 2 (Re, Im) X_j, over sqrt D.
+// X_j = E_j + e^{-2 pi i j / D} O_j with E_j = (Z_j + conj Z_{n-j}) / 2, O_j = (Z_j - conj Z_{n-j}) / 2i
+// (Eq. 1); j and n - j read and write the same four registers, so they are done together.
+KVQ_DEVICE_FN void kvq_unpack_spectrum(KVQ_THREAD float* y) {
+    KVQ_TWIDDLE_TABLE;
+    float norm = 1.0f / kvq_sqrt((float)KVQ_D);
+    float packed_norm = norm * kvq_sqrt(2.0f);
+    float z0r = y[0], z0i = y[KVQ_HALF];
+    y[0] = (z0r + z0i) * norm;         // X_0 = E_0 + O_0 = Re Z_0 + Im Z_0
+    y[KVQ_HALF] = (z0r - z0i) * norm;  // X_{D/2} = E_0 - O_0
+    KVQ_UNROLL for (uint j = 1; j <= KVQ_HALF / 2; ++j) {
+        uint m = KVQ_HALF - j;
+        float out[4];  // Re X_j, Im X_j, Re X_m, Im X_m
+        KVQ_UNROLL for (uint side = 0; side < 2; ++side) {
+            uint a = side == 0 ? j : m, b = side == 0 ? m : j;
+            float zr = y[a], zi = y[KVQ_HALF + a], cr = y[b], ci = -y[KVQ_HALF + b];
+            float er = 0.5f * (zr + cr), ei = 0.5f * (zi + ci);
+            float or_ = 0.5f * (zi - ci), oi = -0.5f * (zr - cr);
+            float wr = twiddles[2 * a], wi = -twiddles[2 * a + 1];
+            out[2 * side] = er + wr * or_ - wi * oi;
+            out[2 * side + 1] = ei + wr * oi + wi * or_;
+        }
+        y[j] = out[0] * packed_norm;
+        y[KVQ_HALF + j] = out[1] * packed_norm;
+        y[m] = out[2] * packed_norm;
+        y[KVQ_HALF + m] = out[3] * packed_norm;
     }
-    KVQ_BARRIER();
 }
 
-// Forward rotation of (a, b) = signed coordinates (2j, 2j+1); leaves the rotated vector in y[0..D).
-KVQ_DEVICE_FN void kvq_rotate_forward(float a, float b, KVQ_SMEM float* scratch, KVQ_SMEM float* y,
-                                      KVQ_SMEM const float* twiddles, uint j) {
-#if KVQ_ROT == 0
-    y[2 * j] = a;
-    y[2 * j + 1] = b;
-    KVQ_BARRIER();
-#elif KVQ_ROT == 1
-    y[2 * j] = a;
-    y[2 * j + 1] = b;
-    kvq_fwht(y, j);
-    float norm = kvq_rsqrt((float)KVQ_D);
-    float u = y[2 * j] * norm, w = y[2 * j + 1] * norm;
-    KVQ_BARRIER();
-    y[2 * j] = u;
-    y[2 * j + 1] = w;
-    KVQ_BARRIER();
-#else
-    // z_t = x_{2t} + i x_{2t+1}; Z = FFT_{D/2}(z); Hermitian unpack to X_k (Eq. 1), pack (Eq. 2).
-    uint r = kvq_bit_reverse(j, kvq_log2(KVQ_HALF));
-    scratch[r] = a;
-    scratch[KVQ_HALF + r] = b;
-    KVQ_SMEM float* z = kvq_fft(scratch, y, twiddles, j, -1.0f);
-    uint mirror = (KVQ_HALF - j) % KVQ_HALF;
-    float zr = z[j], zi = z[KVQ_HALF + j];
-    float cr = z[mirror], ci = -z[KVQ_HALF + mirror];  // conj(Z_{n-j})
-    float er = 0.5f * (zr + cr), ei = 0.5f * (zi + ci);  // E_j
-    float dr = zr - cr, di = zi - ci;                    // O_j = (Z_j - conj Z_{n-j}) / 2i
-    float or_ = 0.5f * di, oi = -0.5f * dr;
-    float wr = twiddles[2 * j], wi = -twiddles[2 * j + 1];
-    float xr = er + wr * or_ - wi * oi;
-    float xi = ei + wr * oi + wi * or_;
-    float norm = kvq_rsqrt((float)KVQ_D);
-    KVQ_BARRIER();
-    if (j == 0) {
-        y[0] = (er + or_) * norm;          // X_0 = E_0 + O_0, real
-        y[KVQ_HALF] = (er - or_) * norm;   // X_{D/2} = E_0 - O_0, real
-    } else {
-        float packed_norm = norm * kvq_sqrt(2.0f);
-        y[j] = xr * packed_norm;
-        y[KVQ_HALF + j] = xi * packed_norm;
+// Inverse of kvq_unpack_spectrum: Eq. 2 packing -> Z_j = E_j + i O_j, the spectrum of z.
+KVQ_DEVICE_FN void kvq_repack_spectrum(KVQ_THREAD float* y) {
+    KVQ_TWIDDLE_TABLE;
+    float x0 = y[0], xh = y[KVQ_HALF];
+    y[0] = 0.5f * (x0 + xh);         // Z_0 = E_0 + i O_0 with E_0 = (X_0 + X_{D/2}) / 2,
+    y[KVQ_HALF] = 0.5f * (x0 - xh);  // O_0 = (X_0 - X_{D/2}) / 2 (ortho scale restored below)
+    float inv_sqrt2 = 1.0f / kvq_sqrt(2.0f);
+    KVQ_UNROLL for (uint j = 1; j <= KVQ_HALF / 2; ++j) {
+        uint m = KVQ_HALF - j;
+        float out[4];  // Re Z_j, Im Z_j, Re Z_m, Im Z_m
+        KVQ_UNROLL for (uint side = 0; side < 2; ++side) {
+            uint a = side == 0 ? j : m, b = side == 0 ? m : j;
+            float xr = y[a] * inv_sqrt2, xi = y[KVQ_HALF + a] * inv_sqrt2;
+            float mr = y[b] * inv_sqrt2, mi = y[KVQ_HALF + b] * inv_sqrt2;
+            // E = (X_a + conj X_b) / 2, O = (X_a - conj X_b) e^{+2 pi i a / D} / 2
+            float er = 0.5f * (xr + mr), ei = 0.5f * (xi - mi);
+            float dr = 0.5f * (xr - mr), di = 0.5f * (xi + mi);
+            float wr = twiddles[2 * a], wi = twiddles[2 * a + 1];
+            float or_ = wr * dr - wi * di, oi = wr * di + wi * dr;
+            out[2 * side] = er - oi;
+            out[2 * side + 1] = ei + or_;
+        }
+        y[j] = out[0];
+        y[KVQ_HALF + j] = out[1];
+        y[m] = out[2];
+        y[KVQ_HALF + m] = out[3];
     }
-    KVQ_BARRIER();
+}
+
+// Moves (re | im) between natural and bit-reversed order (an involution: constant swaps).
+KVQ_DEVICE_FN void kvq_bit_reverse_order(KVQ_THREAD float* y) {
+    KVQ_UNROLL for (uint t = 0; t < KVQ_HALF; ++t) {
+        uint r = kvq_bit_reverse(t);
+        if (t < r) {
+            float re = y[t], im = y[KVQ_HALF + t];
+            y[t] = y[r];
+            y[KVQ_HALF + t] = y[KVQ_HALF + r];
+            y[r] = re;
+            y[KVQ_HALF + r] = im;
+        }
+    }
+}
+
+// y holds the signed input x * signs; leaves R x (the quantizer's rotated vector).
+KVQ_DEVICE_FN void kvq_rotate_forward(KVQ_THREAD float* y) {
+#if KVQ_ROT == 1
+    kvq_fwht(y);
+#elif KVQ_ROT == 2
+    // Deinterleave z_t = x_{2t} + i x_{2t+1} into (re | im), in bit-reversed order for the DIT FFT.
+    float z[KVQ_D];
+    KVQ_UNROLL for (uint t = 0; t < KVQ_HALF; ++t) {
+        uint r = kvq_bit_reverse(t);
+        z[r] = y[2 * t];
+        z[KVQ_HALF + r] = y[2 * t + 1];
+    }
+    kvq_fft(z, -1.0f);
+    kvq_unpack_spectrum(z);
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] = z[i];
 #endif
 }
 
-// Inverse rotation of the vector in y[0..D); returns the unsigned coordinates (2j, 2j+1).
-KVQ_DEVICE_FN float2 kvq_rotate_inverse(KVQ_SMEM float* scratch, KVQ_SMEM float* y, KVQ_SMEM const float* twiddles,
-                                        uint j) {
-#if KVQ_ROT == 0
-    return kvq_float2(y[2 * j], y[2 * j + 1]);
-#elif KVQ_ROT == 1
-    kvq_fwht(y, j);
-    float norm = kvq_rsqrt((float)KVQ_D);
-    return kvq_float2(y[2 * j] * norm, y[2 * j + 1] * norm);
-#else
-    // Unpack X_j and X_{n-j} (ortho scale; j = 0 pairs the real X_0 with the real X_{D/2}), then
-    // rebuild Z_j = E_j + i O_j and run the inverse FFT of length D/2.
-    float inv_sqrt2 = kvq_rsqrt(2.0f);
-    float xr = y[0], xi = 0.0f, mr = y[KVQ_HALF], mi = 0.0f;
-    if (j != 0) {
-        uint mirror = KVQ_HALF - j;
-        xr = y[j] * inv_sqrt2; xi = y[KVQ_HALF + j] * inv_sqrt2;
-        mr = y[mirror] * inv_sqrt2; mi = y[KVQ_HALF + mirror] * inv_sqrt2;
+// y holds a rotated vector; leaves R^T y (still to be multiplied by the signs).
+KVQ_DEVICE_FN void kvq_rotate_inverse(KVQ_THREAD float* y) {
+#if KVQ_ROT == 1
+    kvq_fwht(y);
+#elif KVQ_ROT == 2
+    kvq_repack_spectrum(y);
+    kvq_bit_reverse_order(y);
+    kvq_fft(y, 1.0f);
+    float norm = 2.0f / kvq_sqrt((float)KVQ_D);
+    float z[KVQ_D];
+    KVQ_UNROLL for (uint t = 0; t < KVQ_HALF; ++t) {
+        z[2 * t] = y[t] * norm;
+        z[2 * t + 1] = y[KVQ_HALF + t] * norm;
     }
-    // E_j = (X_j + conj X_{n-j}) / 2, O_j = (X_j - conj X_{n-j}) e^{+2 pi i j / D} / 2
-    float er = 0.5f * (xr + mr), ei = 0.5f * (xi - mi);
-    float dr = 0.5f * (xr - mr), di = 0.5f * (xi + mi);
-    float wr = twiddles[2 * j], wi = twiddles[2 * j + 1];
-    float or_ = wr * dr - wi * di, oi = wr * di + wi * dr;
-    uint r = kvq_bit_reverse(j, kvq_log2(KVQ_HALF));
-    KVQ_BARRIER();
-    scratch[r] = er - oi;        // Z_j = E_j + i O_j
-    scratch[KVQ_HALF + r] = ei + or_;
-    KVQ_SMEM float* z = kvq_fft(scratch, y, twiddles, j, 1.0f);
-    float norm = 2.0f * kvq_rsqrt((float)KVQ_D);
-    return kvq_float2(z[j] * norm, z[KVQ_HALF + j] * norm);
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] = z[i];
 #endif
 }
 
@@ -170,110 +190,93 @@ KVQ_DEVICE_FN float kvq_lambda(KVQ_GMEM const float* lam, uint i) {
     return kvq_max(lam[i], 1e-6f);  // RotatedQuantizer's LAMBDA_FLOOR
 }
 
-// Where a thread works: its vector within the threadgroup, its coordinate pair j, that vector's
-// scratch and the shared twiddle table (filled here; the caller's next barrier publishes it).
-struct KvqSlot {
-    uint local, j, vec, active;
-    KVQ_SMEM float* scratch;
-    KVQ_SMEM float* y;
-    KVQ_SMEM float* twiddles;
-};
-
-KVQ_DEVICE_FN KvqSlot kvq_slot(uint tid, uint group_id, uint n, KVQ_SMEM float* smem) {
-    KvqSlot slot;
-    slot.local = tid / KVQ_HALF;
-    slot.j = tid % KVQ_HALF;
-    slot.vec = group_id * KVQ_VPB + slot.local;
-    slot.active = slot.vec < n;
-    slot.scratch = smem + slot.local * 2 * KVQ_D;
-    slot.y = slot.scratch + KVQ_D;
-    slot.twiddles = smem + KVQ_VPB * (2 * KVQ_D + KVQ_HALF);
-    kvq_fill_twiddles(slot.twiddles, tid);
-    return slot;
-}
-
-// One vector per KVQ_HALF threads: x (n, D) -> codes (n, KVQ_CODE_BYTES), scales (n, KVQ_GROUPS).
+// x (n, D) -> codes (n, KVQ_CODE_BYTES), scales (n, KVQ_GROUPS); this thread takes vector `vec`.
 KVQ_DEVICE_FN void kvq_quantize_body(
     KVQ_GMEM const KVQ_IN_T* x, KVQ_GMEM const float* signs, KVQ_GMEM const float* lam, uint has_lam,
-    KVQ_GMEM uchar* codes, KVQ_GMEM float* scales, uint n, uint tid, uint group_id, KVQ_SMEM float* smem) {
-    KvqSlot slot = kvq_slot(tid, group_id, n, smem);
-    uint j = slot.j, vec = slot.vec, active = slot.active;
-    KVQ_SMEM float* scratch = slot.scratch;
-    KVQ_SMEM float* y = slot.y;
-    KVQ_SMEM float* twiddles = slot.twiddles;
-    KVQ_SMEM float* lanes = smem + KVQ_VPB * 2 * KVQ_D + slot.local * KVQ_HALF;
-    float a = 0.0f, b = 0.0f;
-    if (active) {
-        a = kvq_load_in(x, vec * KVQ_D + 2 * j) * signs[2 * j];
-        b = kvq_load_in(x, vec * KVQ_D + 2 * j + 1) * signs[2 * j + 1];
-    }
-    KVQ_BARRIER();
-    kvq_rotate_forward(a, b, scratch, y, twiddles, j);
-    float v0 = y[2 * j], v1 = y[2 * j + 1];
-    if (has_lam) {
-        v0 *= kvq_lambda(lam, 2 * j);
-        v1 *= kvq_lambda(lam, 2 * j + 1);
-    }
-    // Tree max over the KVQ_GROUP / 2 lanes of this thread's group.
-    uint lane_in_group = j % (KVQ_GROUP / 2);
-    lanes[j] = kvq_max(kvq_fabs(v0), kvq_fabs(v1));
-    for (uint s = KVQ_GROUP / 4; s > 0; s >>= 1) {
-        KVQ_BARRIER();
-        if (lane_in_group < s) lanes[j] = kvq_max(lanes[j], lanes[j + s]);
-    }
-    KVQ_BARRIER();
-    float amax = lanes[j - lane_in_group];
-    float scale = amax > 0.0f ? amax / (float)KVQ_QMAX : 1.0f;
-    int q0 = (int)kvq_clamp(kvq_rint(v0 / scale), -(float)KVQ_QMAX, (float)KVQ_QMAX);
-    int q1 = (int)kvq_clamp(kvq_rint(v1 / scale), -(float)KVQ_QMAX, (float)KVQ_QMAX);
-    if (active) {
-        if (lane_in_group == 0) scales[vec * KVQ_GROUPS + (2 * j) / KVQ_GROUP] = scale;
-#if KVQ_BITS == 4
-        codes[vec * KVQ_CODE_BYTES + j] = (uchar)(((q1 & 0xF) << 4) | (q0 & 0xF));
-#else
-        codes[vec * KVQ_CODE_BYTES + 2 * j] = (uchar)(q0 & 0xFF);
-        codes[vec * KVQ_CODE_BYTES + 2 * j + 1] = (uchar)(q1 & 0xFF);
-#endif
-    }
-}
-
-KVQ_DEVICE_FN int kvq_sign_extend(int code) {
-    return (code ^ (1 << (KVQ_BITS - 1))) - (1 << (KVQ_BITS - 1));
-}
-
-// Inverse: codes, scales -> x (n, D) in the output type.
-KVQ_DEVICE_FN void kvq_dequantize_body(
-    KVQ_GMEM const uchar* codes, KVQ_GMEM const float* scales, KVQ_GMEM const float* signs,
-    KVQ_GMEM const float* lam, uint has_lam, KVQ_GMEM KVQ_OUT_T* x, uint n, uint tid, uint group_id,
-    KVQ_SMEM float* smem) {
-    KvqSlot slot = kvq_slot(tid, group_id, n, smem);
-    uint j = slot.j, vec = slot.vec, active = slot.active;
-    KVQ_SMEM float* scratch = slot.scratch;
-    KVQ_SMEM float* y = slot.y;
-    KVQ_SMEM float* twiddles = slot.twiddles;
-    float v0 = 0.0f, v1 = 0.0f;
-    if (active) {
-#if KVQ_BITS == 4
-        int byte = codes[vec * KVQ_CODE_BYTES + j];
-        int q0 = kvq_sign_extend(byte & 0xF), q1 = kvq_sign_extend(byte >> 4);
-#else
-        int q0 = kvq_sign_extend(codes[vec * KVQ_CODE_BYTES + 2 * j]);
-        int q1 = kvq_sign_extend(codes[vec * KVQ_CODE_BYTES + 2 * j + 1]);
-#endif
-        float scale = scales[vec * KVQ_GROUPS + (2 * j) / KVQ_GROUP];
-        v0 = (float)q0 * scale;
-        v1 = (float)q1 * scale;
-        if (has_lam) {
-            v0 /= kvq_lambda(lam, 2 * j);
-            v1 /= kvq_lambda(lam, 2 * j + 1);
+    KVQ_GMEM uchar* codes, KVQ_GMEM float* scales, uint n, uint vec) {
+    if (vec >= n) return;
+    float y[KVQ_D];
+    // Rows are read as 16-byte chunks (the caller guarantees 16-byte aligned rows: D * size >= 16).
+    KVQ_GMEM const uint4* row = (KVQ_GMEM const uint4*)(x + (kvq_index)vec * KVQ_D);
+    KVQ_UNROLL for (uint c = 0; c < KVQ_D / (4 * KVQ_IN_PER_WORD); ++c) {
+        uint4 chunk = row[c];
+        uint words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+        KVQ_UNROLL for (uint w = 0; w < 4; ++w) {
+            KVQ_UNROLL for (uint e = 0; e < KVQ_IN_PER_WORD; ++e) {
+                uint i = (4 * c + w) * KVQ_IN_PER_WORD + e;
+                y[i] = kvq_in_element(words[w], e) * signs[i];
+            }
         }
     }
-    y[2 * j] = v0;
-    y[2 * j + 1] = v1;
-    KVQ_BARRIER();
-    float2 out = kvq_rotate_inverse(scratch, y, twiddles, j);
-    if (active) {
-        kvq_store_out(x, vec * KVQ_D + 2 * j, out.x * signs[2 * j]);
-        kvq_store_out(x, vec * KVQ_D + 2 * j + 1, out.y * signs[2 * j + 1]);
+    kvq_rotate_forward(y);
+    if (has_lam) {
+        KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] *= kvq_lambda(lam, i);
+    }
+    KVQ_GMEM uint* code_words = (KVQ_GMEM uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
+    KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
+        float amax = 0.0f;
+        KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) amax = kvq_max(amax, kvq_fabs(y[i]));
+        float scale = amax > 0.0f ? amax / (float)KVQ_QMAX : 1.0f;
+        scales[(kvq_index)vec * KVQ_GROUPS + g] = scale;
+        // One division per group: y * (1 / scale) is within an ulp of y / scale, so codes can differ from
+        // the reference's only at round-half ties (which the tests count).
+        float inverse = 1.0f / scale;
+        KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) {
+            y[i] = kvq_clamp(kvq_rint(y[i] * inverse), -(float)KVQ_QMAX, (float)KVQ_QMAX);
+        }
+    }
+    KVQ_UNROLL for (uint w = 0; w < KVQ_D / KVQ_CODES_PER_WORD; ++w) {
+        uint word = 0;
+        KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
+            uint code = (uint)(int)y[w * KVQ_CODES_PER_WORD + e] & ((1u << KVQ_BITS) - 1u);
+            word |= code << (KVQ_BITS * e);
+        }
+        code_words[w] = word;
+    }
+}
+
+KVQ_DEVICE_FN int kvq_sign_extend(uint code) {
+    return ((int)code ^ (1 << (KVQ_BITS - 1))) - (1 << (KVQ_BITS - 1));
+}
+
+// Inverse: codes, scales -> x (n, D) in the output type; this thread takes vector `vec`.
+KVQ_DEVICE_FN void kvq_dequantize_body(
+    KVQ_GMEM const uchar* codes, KVQ_GMEM const float* scales, KVQ_GMEM const float* signs,
+    KVQ_GMEM const float* lam, uint has_lam, KVQ_GMEM KVQ_OUT_T* x, uint n, uint vec) {
+    if (vec >= n) return;
+    float y[KVQ_D];
+    KVQ_GMEM const uint* code_words = (KVQ_GMEM const uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
+    KVQ_UNROLL for (uint w = 0; w < KVQ_D / KVQ_CODES_PER_WORD; ++w) {
+        uint word = code_words[w];
+        KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
+            y[w * KVQ_CODES_PER_WORD + e] = (float)kvq_sign_extend((word >> (KVQ_BITS * e)) & ((1u << KVQ_BITS) - 1u));
+        }
+    }
+    KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
+        float scale = scales[(kvq_index)vec * KVQ_GROUPS + g];
+        KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) y[i] *= scale;
+    }
+    if (has_lam) {
+        KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] /= kvq_lambda(lam, i);
+    }
+    kvq_rotate_inverse(y);
+    // Rows are written as 16-byte chunks, as the quantize kernel reads them.
+    KVQ_GMEM uint4* row = (KVQ_GMEM uint4*)(x + (kvq_index)vec * KVQ_D);
+    KVQ_UNROLL for (uint c = 0; c < KVQ_D / (4 * KVQ_OUT_PER_WORD); ++c) {
+        uint words[4];
+        KVQ_UNROLL for (uint w = 0; w < 4; ++w) {
+            float values[KVQ_OUT_PER_WORD];
+            KVQ_UNROLL for (uint e = 0; e < KVQ_OUT_PER_WORD; ++e) {
+                uint i = (4 * c + w) * KVQ_OUT_PER_WORD + e;
+                values[e] = y[i] * signs[i];
+            }
+            words[w] = kvq_out_word(values);
+        }
+        uint4 chunk;
+        chunk.x = words[0];
+        chunk.y = words[1];
+        chunk.z = words[2];
+        chunk.w = words[3];
+        row[c] = chunk;
     }
 }

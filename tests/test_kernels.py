@@ -1,9 +1,12 @@
 """Fused kernels against the torch reference.
 
-CUDA tests skip without a GPU; the Metal translation unit (which cannot run here) is at least
-checked to parse as C++ with Metal's keywords stubbed, so both builds compile the same body.
+The shared kernel body is compiled for the host with the system C++ compiler and checked against
+the reference on CPU; CUDA tests skip without a GPU; the Metal translation unit (which cannot run
+here) is at least checked to parse as C++ with Metal's keywords stubbed, so every build compiles the
+same body.
 """
 
+import ctypes
 import shutil
 import subprocess
 
@@ -17,8 +20,8 @@ from kvq.kernels.decode_attention import _decode_attention_triton, decode_attent
 from kvq.kernels.plan import plan_for, unsupported_reason
 from kvq.kernels.source import translation_unit
 from kvq.quant.packing import unpack
-from kvq.quant.rotated import RotatedQuantizer
-from kvq.quant.scalar import ScalarQuantizer
+from kvq.quant.rotated import RotatedPacked, RotatedQuantizer
+from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Composed, Identity, MatrixRotation
 
 ROTATIONS = {"identity": Identity, "srht": SRHT, "srft": SRFT}
@@ -56,32 +59,34 @@ class _MetalStub:
     HEADER = """
 #define kernel
 #define device
-#define threadgroup
-#define constant
-typedef unsigned int uint; typedef unsigned char uchar; typedef float half; typedef float bfloat;
-struct float2 { float x, y; float2(float a, float b) : x(a), y(b) {} };
+#define thread
+typedef unsigned int uint; typedef unsigned char uchar; typedef unsigned long ulong;
+typedef float half; typedef float bfloat;
+struct uint4 { uint x, y, z, w; };
+struct half2 { float v[2]; half2(float a, float b) : v{a, b} {} float operator[](int i) const { return v[i]; } };
+struct bfloat2 { float v[2]; bfloat2(float a, float b) : v{a, b} {} };
 namespace metal {
-enum class mem_flags { mem_threadgroup };
-inline void threadgroup_barrier(mem_flags) {}
+template <typename T, typename U> T as_type(U);
 inline float max(float a, float b) { return a > b ? a : b; }
 inline float clamp(float x, float lo, float hi) { return max(lo, x < hi ? x : hi); }
 inline float fabs(float x) { return x < 0 ? -x : x; }
-namespace precise { float rint(float); float cospi(float); float sinpi(float); float sqrt(float); }
+namespace precise { float rint(float); float sqrt(float); }
 }
 """
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to parse the Metal source")
-@pytest.mark.parametrize("rotation", [0, 1, 2])
-def test_metal_translation_unit_parses_with_the_shared_body(tmp_path, rotation):
+@pytest.mark.parametrize("rotation", ["identity", "srht", "srft"])
+@pytest.mark.parametrize("in_dtype, out_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16)])
+def test_metal_translation_unit_parses_with_the_shared_body(tmp_path, rotation, in_dtype, out_dtype):
     (tmp_path / "metal_stdlib").write_text(_MetalStub.HEADER)
-    defines = {"KVQ_D": 128, "KVQ_GROUP": 32, "KVQ_BITS": 4, "KVQ_ROT": rotation, "KVQ_VPB": 2}
-    source = translation_unit("metal", defines, torch.float16, torch.float32)
+    defines = plan_for(quantizer(rotation, 128, 4, "per_group", 32)).defines()
+    source = translation_unit("metal", defines, in_dtype, out_dtype)
     assert (kernels.source.KERNEL_DIR / "quant_body.h").read_text() in source
     unit = tmp_path / "unit.cpp"
     unit.write_text(source)
-    result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-I", str(tmp_path), str(unit)],
-                            capture_output=True, text=True)
+    result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", "-I",
+                             str(tmp_path), str(unit)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -107,28 +112,71 @@ CASES = [
 ]
 
 
-@requires_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n", CASES)
-def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n):
-    q = quantizer(rotation, d, bits, granularity, group, lam, seed=n)
-    x = (torch.randn(n, d, generator=torch.Generator().manual_seed(n)) * 3).to("cuda", dtype)
-    packed, expected = kernels.encode(q, x), q.encode(x)
-    assert kernels.unsupported_reason(q) is None
-    scale, ref_scale = packed.inner.scale, expected.inner.scale
+def _assert_matches_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                              label: str) -> None:
+    """Codes equal the reference's except at round-half ties (counted), scales within 1e-6."""
+    expected = q.encode(x)
+    ref_scale = expected.inner.scale
     assert scale.shape == ref_scale.shape and scale.dtype == ref_scale.dtype == torch.float32
     # Rotation arithmetic errs by ~1e-7 of a vector's norm, so a scale is compared relative to the largest
     # scale of its vector: exactly 1e-6 relative for per-token scales, and fair to tiny groups.
     vector_max = ref_scale.amax(dim=(-2, -1), keepdim=True)
     assert ((scale - ref_scale).abs() <= 1e-6 * vector_max).all()
-    codes = unpack(packed.inner.codes, bits, d, signed=True)
-    ref_codes = unpack(expected.inner.codes, bits, d, signed=True)
+    bits, d = q.inner.bits, x.shape[-1]
+    codes, ref_codes = unpack(codes, bits, d, signed=True), unpack(expected.inner.codes, bits, d, signed=True)
     differ = codes != ref_codes
     ties = (_pre_round(q, x).abs().frac() - 0.5).abs() < TIE_WINDOW
-    print(f"{rotation} d={d} int{bits} {granularity} g={group} lam={lam} {dtype}: "
-          f"{int(differ.sum())} of {differ.numel()} codes differ, all at round-half ties")
+    print(f"{label}: {int(differ.sum())} of {differ.numel()} codes differ, all at round-half ties")
     assert not (differ & ~ties).any()
     assert (codes - ref_codes).abs().max() <= 1
+
+
+def _case(rotation, d, bits, granularity, group, lam, dtype, n, device):
+    q = quantizer(rotation, d, bits, granularity, group, lam, seed=n)
+    x = (torch.randn(n, d, generator=torch.Generator().manual_seed(n)) * 3).to(device, dtype)
+    return q, x, f"{rotation} d={d} int{bits} {granularity} g={group} lam={lam} {dtype}"
+
+
+def _host_build(plan, tmp_path):
+    """The shared body compiled for this CPU (float32 in and out) and loaded with ctypes."""
+    unit, library = tmp_path / "kvq_host.cpp", tmp_path / "kvq_host.so"
+    unit.write_text(translation_unit("host", plan.defines(), torch.float32, torch.float32))
+    subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(library), str(unit)], check=True)
+    return ctypes.CDLL(str(library))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel body for the host")
+@pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n", CASES)
+def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, bits, granularity, group, lam, dtype,
+                                                        n):
+    q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), "cpu")
+    plan = plan_for(q)
+    library = _host_build(plan, tmp_path)
+    codes = torch.empty(x.shape[0], plan.code_bytes, dtype=torch.uint8)
+    scales = torch.empty(x.shape[0], plan.groups)
+    constants = [plan.signs.contiguous(), plan.lam if plan.lam is not None else plan.signs]
+
+    def address(t):
+        return ctypes.c_void_p(t.data_ptr())
+
+    has_lam, n_vectors = ctypes.c_uint(int(plan.lam is not None)), ctypes.c_uint(x.shape[0])
+    library.kvq_quantize(address(x), *map(address, constants), has_lam, address(codes), address(scales), n_vectors)
+    _assert_matches_reference(q, x, codes, scales.unsqueeze(-1), "host " + label)
+    decoded = torch.empty_like(x)
+    library.kvq_dequantize(address(codes), address(scales), *map(address, constants), has_lam, address(decoded),
+                           n_vectors)
+    packed = RotatedPacked(ScalarPacked(codes, scales.unsqueeze(-1), None, None, tuple(x.shape), torch.float32))
+    torch.testing.assert_close(decoded, q.decode(packed), atol=1e-5 * x.abs().max(), rtol=0)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n", CASES)
+def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n):
+    q, x, label = _case(rotation, d, bits, granularity, group, lam, dtype, n, "cuda")
+    packed = kernels.encode(q, x)
+    assert kernels.unsupported_reason(q) is None
+    _assert_matches_reference(q, x, packed.inner.codes, packed.inner.scale, label)
     # the inverse kernel reconstructs what the reference decode gives from the same packing
     out = kernels.decode(q, packed)
     assert out.dtype == dtype and out.shape == x.shape

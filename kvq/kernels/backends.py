@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import torch
 
-from kvq.kernels.plan import KernelPlan
+from kvq.kernels.plan import THREADS_PER_GROUP, KernelPlan
 from kvq.kernels.source import translation_unit
 
 
@@ -16,6 +16,8 @@ class KernelBackend:
     name = ""
 
     def quantize(self, plan: KernelPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows.data_ptr() % 16:  # the kernel reads rows as 16-byte chunks
+            rows = rows.clone()
         n = rows.shape[0]
         codes = torch.empty(n, plan.code_bytes, dtype=torch.uint8, device=rows.device)
         scales = torch.empty(n, plan.groups, dtype=torch.float32, device=rows.device)
@@ -54,8 +56,8 @@ class CudaBackend(KernelBackend):
 
     def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
         kernel = _cuda_kernel(tuple(plan.defines().items()), in_dtype, out_dtype, name)
-        blocks = -(-n // plan.vectors_per_group)
-        kernel(grid=(blocks, 1, 1), block=(plan.threads_per_group, 1, 1), args=[*args, n])
+        blocks = -(-n // THREADS_PER_GROUP)
+        kernel(grid=(blocks, 1, 1), block=(THREADS_PER_GROUP, 1, 1), args=[*args, n])
 
 
 @lru_cache(maxsize=64)
@@ -71,9 +73,7 @@ class MetalBackend(KernelBackend):
         device = args[0].device
         as_buffers = [torch.tensor([a], dtype=torch.int32, device=device) if isinstance(a, int) else a
                       for a in [*args, n]]
-        groups = -(-n // plan.vectors_per_group)
-        getattr(library, name)(*as_buffers, threads=groups * plan.threads_per_group,
-                               group_size=plan.threads_per_group)
+        getattr(library, name)(*as_buffers, threads=n, group_size=THREADS_PER_GROUP)
 
 
 BACKENDS = {"cuda": CudaBackend(), "mps": MetalBackend()}

@@ -5,6 +5,7 @@ token or per power-of-two group, optional lambda) at power-of-two head_dim: the 
 kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Anything else keeps the torch reference.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,14 @@ from kvq.rotations import SRFT, SRHT, Identity
 
 ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
 KERNEL_BITS = (4, 8)
-THREADS_PER_GROUP = 128
+THREADS_PER_GROUP = 128  # one vector per thread
+
+
+def twiddle_literals(d: int) -> str:
+    """cos, sin of pi k / (d/2) for k < d/2, float32 values as C literals (9 significant digits: exact)."""
+    angles = math.pi * torch.arange(d // 2, dtype=torch.float64) / (d // 2)
+    pairs = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).flatten().float().tolist()
+    return ", ".join(f"{value:.8e}f" for value in pairs)
 
 
 @dataclass(frozen=True)
@@ -26,14 +34,6 @@ class KernelPlan:
     rotation: int
     signs: torch.Tensor
     lam: torch.Tensor | None
-
-    @property
-    def vectors_per_group(self) -> int:
-        return max(1, THREADS_PER_GROUP // (self.d // 2))
-
-    @property
-    def threads_per_group(self) -> int:
-        return self.vectors_per_group * self.d // 2
 
     @property
     def code_bytes(self) -> int:
@@ -48,9 +48,9 @@ class KernelPlan:
         lam = self.lam.to(device=device, dtype=torch.float32) if self.lam is not None else None
         return KernelPlan(self.d, self.bits, self.group, self.rotation, self.signs.to(device), lam)
 
-    def defines(self) -> dict[str, int]:
+    def defines(self) -> dict[str, int | str]:
         return {"KVQ_D": self.d, "KVQ_GROUP": self.group, "KVQ_BITS": self.bits, "KVQ_ROT": self.rotation,
-                "KVQ_VPB": self.vectors_per_group}
+                "KVQ_BLOCK": THREADS_PER_GROUP, "KVQ_TWIDDLES": twiddle_literals(self.d)}
 
 
 def _power_of_two(n: int) -> bool:

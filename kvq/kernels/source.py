@@ -1,7 +1,7 @@
 """Assembles a kernel translation unit: shape defines + backend prelude + shared body + entry points.
 
-The body (kernels/quant_body.h) is the only place the algorithm lives; the CUDA and Metal builds
-differ only in their prelude and entry files.
+The body (kernels/quant_body.h) is the only place the algorithm lives; the CUDA, Metal and host
+(test) builds differ only in their prelude and entry files.
 """
 
 from pathlib import Path
@@ -10,7 +10,8 @@ import torch
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 DTYPE_DEFINES = {torch.float32: "FLOAT32", torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16"}
-BACKEND_FILES = {"cuda": ("prelude_cuda.h", "entry_cuda.cu"), "metal": ("prelude_metal.h", "entry_metal.metal")}
+BACKEND_FILES = {"cuda": ("prelude_cuda.h", "entry_cuda.cu"), "metal": ("prelude_metal.h", "entry_metal.metal"),
+                 "host": ("prelude_host.h", "entry_host.cpp")}
 
 
 def translation_unit(backend: str, defines: dict[str, int], in_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
