@@ -206,7 +206,8 @@ if triton is not None:
         odd = tl.load(at + 1, mask=mask, other=0.0).to(tl.float32) * scale
         return even.to(tl.float16), odd.to(tl.float16)
 
-    @triton.jit(do_not_specialize=["n_packed", "n_window", "tokens_per_split", "n_packed_splits"])
+    @triton.jit(do_not_specialize=["n_packed", "n_window", "tokens_per_split", "n_packed_splits", "kv_heads",
+                                   "capacity", "window_capacity"])
     def _partial_kernel(
         q_ptr, qmap_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
         n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, capacity, window_capacity, scale,
@@ -280,7 +281,7 @@ if triton is not None:
             acc += tl.sum(q[:, None] * tl.load(map_ptr + rows[:, None] * D + cols[None, :]), 0)
         tl.store(out_ptr + bh * D + cols, acc)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_splits"])
     def _reduce_kernel(o_ptr, m_ptr, l_ptr, omap_ptr, out_ptr, n_splits, D: tl.constexpr, SPLITS: tl.constexpr):
         """Eq. 5, o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c, with the packed splits' sum mapped by
         output_map (d, d) before the window split (the last) is added; one program per (batch, query head)."""
@@ -336,6 +337,27 @@ def _rows_buffer(t: torch.Tensor) -> int:
     return t.stride(1) // t.shape[-1]
 
 
+_compiled: dict[tuple, object] = {}
+
+
+def _launch(kernel, grid: tuple, args: tuple, **constants) -> None:
+    """kernel[grid](*args, **constants), through the compiled kernel's own launcher once there is one.
+
+    Triton's dispatch binds and specializes every argument again on each call, tens of microseconds of
+    host time per launch that decode pays per layer per token. These kernels take no integer
+    specialization (do_not_specialize), so what selects a compiled kernel is the constants and each
+    tensor's dtype and 16-byte alignment, which is the key here.
+    """
+    key = (kernel, tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args),
+           tuple(constants.items()), args[0].device)
+    compiled = _compiled.get(key)
+    if compiled is None:
+        _compiled[key] = kernel[grid](*args, **constants)
+        return
+    params = [constants[name] for name in kernel.arg_names[len(args):]]
+    compiled[(*grid, 1, 1)[:3]](*args, *params)
+
+
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -357,7 +379,8 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
     query, output_map = query.contiguous(), output_map.float().contiguous()
     mapped_query = torch.empty(batch, q_heads, d, device=query.device, dtype=torch.float32)
-    _map_query_kernel[(batch * q_heads,)](query, query_map.float().contiguous(), mapped_query, D=d, CHUNK=16)
+    _launch(_map_query_kernel, (batch * q_heads,), (query, query_map.float().contiguous(), mapped_query), D=d,
+            CHUNK=16)
     capacity = _rows_buffer(keys.codes)
     if not (capacity == _rows_buffer(keys.scales) == _rows_buffer(values.codes) == _rows_buffer(values.scales)):
         raise ValueError("packed K and V codes and scales must share one row capacity")
@@ -368,17 +391,15 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     n_splits = packed_splits + 1  # the last program takes the residual window
     partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     gqa = q_heads // kv_heads
-    _partial_kernel[(batch * kv_heads, n_splits)](
+    _launch(_partial_kernel, (batch * kv_heads, n_splits), (
         query, mapped_query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial,
-        maxima, sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, scale,
+        maxima, sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, float(scale)),
         GQA=gqa, GQA_P=_padded_heads(gqa, keys.scales.shape[-1], values.scales.shape[-1]), HALF=d // 2,
-        BITS=keys.bits,
-        K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
-        num_warps=LAUNCH.num_warps, num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages,
-    )
+        BITS=keys.bits, K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
+        num_warps=LAUNCH.num_warps, num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages)
     out = torch.empty(batch, q_heads, d, device=query.device, dtype=dtype)
-    _reduce_kernel[(batch * q_heads,)](partial, maxima, sums, output_map, out, n_splits, D=d,
-                                       SPLITS=triton.next_power_of_2(n_splits))
+    _launch(_reduce_kernel, (batch * q_heads,), (partial, maxima, sums, output_map, out, n_splits), D=d,
+            SPLITS=triton.next_power_of_2(n_splits))
     return out
 
 
