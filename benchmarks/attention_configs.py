@@ -27,11 +27,12 @@ def main() -> None:
         window = torch.randn(1, 8, 8, 128, device="cuda", dtype=torch.float16)
         query = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
         maps = torch.linalg.qr(torch.randn(128, 128, device="cuda"))[0]
+        step = partial(decode_attention.decode_attention, query, maps)
+        tail = (window, window, maps.T, 128 ** -0.5)
         for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4), (1, 2, 3), (2, 4, 8)):
             decode_attention.LAUNCH = decode_attention.LaunchConfig(block, warps, stages, waves)
-            step = partial(decode_attention.decode_attention, query, maps)
             try:
-                seconds = time_per_layer(lambda k, v: step(k, v, window, window, maps.T, 128 ** -0.5), caches, "cuda")
+                seconds = time_per_layer(lambda k, v, step=step, tail=tail: step(k, v, *tail), caches, "cuda")
             except Exception as error:  # a configuration that does not fit is skipped, and said so
                 print(f"T={tokens} block={block} warps={warps} stages={stages} waves={waves}: {type(error).__name__}")
                 continue

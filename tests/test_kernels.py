@@ -16,12 +16,13 @@ from conftest import requires_cuda
 
 from kvq import kernels
 from kvq.bench import random_packed
+from kvq.kernels.backends import KernelBackend
 from kvq.kernels.decode_attention import _decode_attention_triton, decode_attention_reference
-from kvq.kernels.plan import plan_for, unsupported_reason
+from kvq.kernels.plan import packed_codes, plan_for, unsupported_reason
 from kvq.kernels.source import translation_unit
 from kvq.quant.packing import unpack
-from kvq.quant.rotated import RotatedPacked, RotatedQuantizer
-from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
+from kvq.quant.rotated import RotatedQuantizer
+from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Composed, Identity, MatrixRotation
 
 ROTATIONS = {"identity": Identity, "srht": SRHT, "srft": SRFT}
@@ -137,12 +138,20 @@ def _case(rotation, d, bits, granularity, group, lam, dtype, n, device):
     return q, x, f"{rotation} d={d} int{bits} {granularity} g={group} lam={lam} {dtype}"
 
 
-def _host_build(plan, tmp_path):
-    """The shared body compiled for this CPU (float32 in and out) and loaded with ctypes."""
-    unit, library = tmp_path / "kvq_host.cpp", tmp_path / "kvq_host.so"
-    unit.write_text(translation_unit("host", plan.defines(), torch.float32, torch.float32))
-    subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(library), str(unit)], check=True)
-    return ctypes.CDLL(str(library))
+class _HostBackend(KernelBackend):
+    """The shared body compiled for this CPU (float32 in and out) with g++, called through ctypes."""
+
+    name = "host"
+
+    def __init__(self, plan, directory):
+        unit, library = directory / "kvq_host.cpp", directory / "kvq_host.so"
+        unit.write_text(translation_unit("host", plan.defines(), torch.float32, torch.float32))
+        subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(library), str(unit)], check=True)
+        self.library = ctypes.CDLL(str(library))
+
+    def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
+        getattr(self.library, name)(*(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_uint(a)
+                                      for a in [*args, n]))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel body for the host")
@@ -151,21 +160,11 @@ def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, b
                                                         n):
     q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), "cpu")
     plan = plan_for(q)
-    library = _host_build(plan, tmp_path)
-    codes = torch.empty(x.shape[0], plan.code_bytes, dtype=torch.uint8)
-    scales = torch.empty(x.shape[0], plan.groups)
-    constants = [plan.signs.contiguous(), plan.lam if plan.lam is not None else plan.signs]
-
-    def address(t):
-        return ctypes.c_void_p(t.data_ptr())
-
-    has_lam, n_vectors = ctypes.c_uint(int(plan.lam is not None)), ctypes.c_uint(x.shape[0])
-    library.kvq_quantize(address(x), *map(address, constants), has_lam, address(codes), address(scales), n_vectors)
+    backend = _HostBackend(plan, tmp_path)
+    codes, scales = backend.quantize(plan, x)
     _assert_matches_reference(q, x, codes, scales.unsqueeze(-1), "host " + label)
-    decoded = torch.empty_like(x)
-    library.kvq_dequantize(address(codes), address(scales), *map(address, constants), has_lam, address(decoded),
-                           n_vectors)
-    packed = RotatedPacked(ScalarPacked(codes, scales.unsqueeze(-1), None, None, tuple(x.shape), torch.float32))
+    decoded = backend.dequantize(plan, codes, scales, torch.float32)
+    packed = packed_codes(codes, scales, x.shape, torch.float32)
     torch.testing.assert_close(decoded, q.decode(packed), atol=1e-5 * x.abs().max(), rtol=0)
 
 

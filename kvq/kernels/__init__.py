@@ -9,10 +9,9 @@ from weakref import WeakKeyDictionary
 import torch
 
 from kvq.kernels.backends import BACKENDS, KernelBackend
-from kvq.kernels.plan import KernelPlan, packing_reason, plan_for, unsupported_reason
+from kvq.kernels.plan import KernelPlan, packed_codes, packing_reason, plan_for, unsupported_reason
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.rotated import RotatedPacked
-from kvq.quant.scalar import ScalarPacked
 
 _device_plans: WeakKeyDictionary = WeakKeyDictionary()
 
@@ -43,9 +42,7 @@ def encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
         return quantizer.encode(x)
     codes, scales = backend.quantize(plan, x.reshape(-1, plan.d).contiguous())
     lead = x.shape[:-1]
-    inner = ScalarPacked(codes=codes.view(*lead, plan.code_bytes), scale=scales.view(*lead, plan.groups, 1),
-                         offset=None, channel_scale=None, shape=tuple(x.shape), dtype=x.dtype)
-    return RotatedPacked(inner)
+    return packed_codes(codes.view(*lead, plan.code_bytes), scales.view(*lead, plan.groups), x.shape, x.dtype)
 
 
 def metered_encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:

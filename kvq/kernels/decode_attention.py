@@ -26,8 +26,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from kvq.kernels.plan import packed_codes
 from kvq.quant.rotated import RotatedPacked
-from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
+from kvq.quant.scalar import ScalarQuantizer
 
 try:
     import triton
@@ -69,8 +70,7 @@ class PackedKV:
 
     def as_packed(self, dtype: torch.dtype) -> RotatedPacked:
         """The same codes as the reference quantizers' packed dataclass (for kvq.kernels.decode)."""
-        shape = (*self.codes.shape[:-1], self.head_dim)
-        return RotatedPacked(ScalarPacked(self.codes, self.scales.unsqueeze(-1), None, None, shape, dtype))
+        return packed_codes(self.codes, self.scales, (*self.codes.shape[:-1], self.head_dim), dtype)
 
     def dequantized(self) -> torch.Tensor:
         """float32 codes x scales in the quantizer's rotated domain (the reference ScalarQuantizer decode;

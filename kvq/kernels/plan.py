@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvq.quant.rotated import RotatedQuantizer
-from kvq.quant.scalar import ScalarQuantizer
+from kvq.quant.rotated import RotatedPacked, RotatedQuantizer
+from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Identity
 
 ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
@@ -68,6 +68,12 @@ def packing_reason(quantizer) -> str | None:
     if inner.granularity not in ("per_token", "per_group"):
         return f"granularity {inner.granularity} has no kernel (per_channel scales span tokens)"
     return None
+
+
+def packed_codes(codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype) -> RotatedPacked:
+    """Kernel-layout codes (..., bytes) and scales (..., groups) as the reference quantizers' packed
+    dataclass, so the reference can check and decode them."""
+    return RotatedPacked(ScalarPacked(codes, scales.unsqueeze(-1), None, None, tuple(shape), dtype))
 
 
 def unsupported_reason(quantizer) -> str | None:
