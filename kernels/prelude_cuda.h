@@ -7,11 +7,12 @@ typedef unsigned long long kvq_index;
 #define KVQ_GMEM
 #define KVQ_THREAD
 #define KVQ_UNROLL _Pragma("unroll")
-#define kvq_rint(x) rintf(x)
+#define kvq_fma(a, b, c) fmaf(a, b, c)
+#define kvq_float_bits(x) __float_as_uint(x)
+#define kvq_bits_float(x) __uint_as_float(x)
 #define kvq_sqrt(x) sqrtf(x)
 #define kvq_fabs(x) fabsf(x)
 #define kvq_max(a, b) fmaxf(a, b)
-#define kvq_clamp(x, lo, hi) fminf(fmaxf(x, lo), hi)
 
 // Element types travel as their bit patterns: NVRTC has no cuda_fp16.h without an include path.
 KVQ_DEVICE_FN float kvq_half_to_float(ushort bits) {

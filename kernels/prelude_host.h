@@ -10,25 +10,24 @@ struct uint4 { uint x, y, z, w; };
 #define KVQ_GMEM
 #define KVQ_THREAD
 #define KVQ_UNROLL
-#define kvq_rint(x) std::rint(x)
+#define kvq_fma(a, b, c) std::fma(a, b, c)
 #define kvq_sqrt(x) std::sqrt(x)
 #define kvq_fabs(x) std::fabs(x)
 #define kvq_max(a, b) std::fmax(a, b)
-#define kvq_clamp(x, lo, hi) std::fmin(std::fmax(x, lo), hi)
 
-static inline float kvq_bits_to_float(uint word) {
+static inline float kvq_bits_float(uint word) {
     float out;
     std::memcpy(&out, &word, sizeof out);
     return out;
 }
-static inline uint kvq_float_to_bits(float value) {
+static inline uint kvq_float_bits(float value) {
     uint out;
     std::memcpy(&out, &value, sizeof out);
     return out;
 }
 #define KVQ_IN_T float
 #define KVQ_IN_PER_WORD 1
-#define kvq_in_element(word, e) kvq_bits_to_float(word)
+#define kvq_in_element(word, e) kvq_bits_float(word)
 #define KVQ_OUT_T float
 #define KVQ_OUT_PER_WORD 1
-#define kvq_out_word(v) kvq_float_to_bits((v)[0])
+#define kvq_out_word(v) kvq_float_bits((v)[0])

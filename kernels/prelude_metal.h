@@ -6,12 +6,14 @@ using namespace metal;
 #define KVQ_THREAD thread
 typedef ulong kvq_index;
 #define KVQ_UNROLL _Pragma("unroll")
-// precise:: keeps IEEE results under Metal's default fast-math, so codes match the CUDA build.
-#define kvq_rint(x) precise::rint(x)
+// precise:: keeps IEEE results under Metal's default fast-math, so codes match the CUDA build (fma is
+// always fused, one rounding).
+#define kvq_fma(a, b, c) fma(a, b, c)
+#define kvq_float_bits(x) as_type<uint>(x)
+#define kvq_bits_float(x) as_type<float>(x)
 #define kvq_sqrt(x) precise::sqrt(x)
 #define kvq_fabs(x) fabs(x)
 #define kvq_max(a, b) max(a, b)
-#define kvq_clamp(x, lo, hi) clamp(x, lo, hi)
 
 #if defined(KVQ_IN_FLOAT32)
 #define KVQ_IN_T float

@@ -9,9 +9,10 @@
 //
 // The including prelude defines the backend words: KVQ_DEVICE_FN, KVQ_GMEM (global address space),
 // KVQ_THREAD (private address space, for pointers to a thread's arrays), kvq_index (64-bit),
-// KVQ_UNROLL, kvq_rint (round half to even, as torch.round), kvq_sqrt, kvq_fabs, kvq_max, kvq_clamp,
-// uint4, and the element types' word access: KVQ_IN_T / KVQ_OUT_T, KVQ_IN_PER_WORD /
-// KVQ_OUT_PER_WORD (elements per 32-bit word), kvq_in_element(word, e), kvq_out_word(values).
+// KVQ_UNROLL, kvq_fma (fused, one rounding), kvq_sqrt, kvq_fabs, kvq_max, kvq_float_bits /
+// kvq_bits_float (bit casts), uint4, and the element types' word access: KVQ_IN_T / KVQ_OUT_T,
+// KVQ_IN_PER_WORD / KVQ_OUT_PER_WORD (elements per 32-bit word), kvq_in_element(word, e),
+// kvq_out_word(values).
 // The caller defines the shape constants:
 //   KVQ_D      head_dim (power of two, 8..512)
 //   KVQ_GROUP  coordinates sharing one scale (KVQ_D for per-token), a power of two >= 2
@@ -19,7 +20,11 @@
 //   KVQ_ROT    0 identity, 1 SRHT, 2 SRFT
 //   KVQ_TWIDDLES  cos, sin of pi k / (D/2) for k < D/2, as float literals: constant indices into a
 //                 constant table let the compiler fold them into the butterflies' instructions
-// Host constants: signs (D), lambda (D, read when has_lam).
+// Host constants (16-byte aligned): sign_words, the rotation's signs as XOR masks over the 32-bit words
+// of the input (quantize) or output (dequantize) element type: a sign flip is exact, so it costs one
+// logic instruction per word instead of a load and a multiply per element; lam (D floats, read when
+// has_lam): lambda floored at RotatedQuantizer's LAMBDA_FLOOR for quantize, its reciprocal for
+// dequantize.
 
 #define KVQ_HALF (KVQ_D / 2)
 #define KVQ_QMAX ((1 << (KVQ_BITS - 1)) - 1)
@@ -27,6 +32,10 @@
 #define KVQ_CODE_BYTES (KVQ_D * KVQ_BITS / 8)
 #define KVQ_CODES_PER_WORD (32 / KVQ_BITS)
 #define KVQ_TWIDDLE_TABLE const float twiddles[KVQ_D] = {KVQ_TWIDDLES}
+// 1.5 * 2^23: v + this, for |v| < 2^22, rounds v half-to-even to an integer and leaves it, two's
+// complement, in the low bits of the float's word (the ulp there is 1 and the sum stays above 2^23).
+#define KVQ_ROUND_MAGIC 12582912.0f
+#define KVQ_ROUND_MAGIC_BITS 0x4B400000u
 
 KVQ_DEVICE_FN uint kvq_bit_reverse(uint value) {
     uint out = 0;
@@ -80,30 +89,29 @@ KVQ_DEVICE_FN void kvq_fwht(KVQ_THREAD float* y) {
 // Z = FFT(z) with z_t = x_{2t} + i x_{2t+1} sits in y (re | im); replace it by the Eq. 2 packing of
 // X = DFT_D(x): y_0 = X_0, y_HALF = X_{D/2}, (y_j, y_{HALF+j}) = sqrt 2 (Re, Im) X_j, over sqrt D.
 // X_j = E_j + e^{-2 pi i j / D} O_j with E_j = (Z_j + conj Z_{n-j}) / 2, O_j = (Z_j - conj Z_{n-j}) / 2i
-// (Eq. 1); j and n - j read and write the same four registers, so they are done together.
+// (Eq. 1). j and m = n - j share their sums: with Z_j = A + iB, Z_m = C + iD, (c, s) = cos, sin of
+// pi j / n, P = c (B + D) - s (A - C) and Q = -s (B + D) - c (A - C),
+//   X_j = ((A + C) + P + i ((B - D) + Q)) / 2,  X_m = ((A + C) - P + i (Q - (B - D))) / 2,
+// so the 1/2 and the output norm fold into the twiddle literals: 14 instructions per pair.
 KVQ_DEVICE_FN void kvq_unpack_spectrum(KVQ_THREAD float* y) {
     KVQ_TWIDDLE_TABLE;
     float norm = 1.0f / kvq_sqrt((float)KVQ_D);
-    float packed_norm = norm * kvq_sqrt(2.0f);
+    float half_norm = 0.5f * norm * kvq_sqrt(2.0f);
     float z0r = y[0], z0i = y[KVQ_HALF];
     y[0] = (z0r + z0i) * norm;         // X_0 = E_0 + O_0 = Re Z_0 + Im Z_0
     y[KVQ_HALF] = (z0r - z0i) * norm;  // X_{D/2} = E_0 - O_0
     KVQ_UNROLL for (uint j = 1; j <= KVQ_HALF / 2; ++j) {
         uint m = KVQ_HALF - j;
-        float out[4];  // Re X_j, Im X_j, Re X_m, Im X_m
-        KVQ_UNROLL for (uint side = 0; side < 2; ++side) {
-            uint a = side == 0 ? j : m, b = side == 0 ? m : j;
-            float zr = y[a], zi = y[KVQ_HALF + a], cr = y[b], ci = -y[KVQ_HALF + b];
-            float er = 0.5f * (zr + cr), ei = 0.5f * (zi + ci);
-            float or_ = 0.5f * (zi - ci), oi = -0.5f * (zr - cr);
-            float wr = twiddles[2 * a], wi = -twiddles[2 * a + 1];
-            out[2 * side] = er + wr * or_ - wi * oi;
-            out[2 * side + 1] = ei + wr * oi + wi * or_;
-        }
-        y[j] = out[0] * packed_norm;
-        y[KVQ_HALF + j] = out[1] * packed_norm;
-        y[m] = out[2] * packed_norm;
-        y[KVQ_HALF + m] = out[3] * packed_norm;
+        float a = y[j], b = y[KVQ_HALF + j], c = y[m], d = y[KVQ_HALF + m];
+        float cos_n = half_norm * twiddles[2 * j], sin_n = half_norm * twiddles[2 * j + 1];
+        float sum_re = half_norm * (a + c), diff_im = half_norm * (b - d);
+        float sum_im = b + d, diff_re = a - c;
+        float p = cos_n * sum_im - sin_n * diff_re;
+        float q = -sin_n * sum_im - cos_n * diff_re;
+        y[j] = sum_re + p;
+        y[KVQ_HALF + j] = diff_im + q;
+        y[m] = sum_re - p;
+        y[KVQ_HALF + m] = q - diff_im;
     }
 }
 
@@ -150,7 +158,7 @@ KVQ_DEVICE_FN void kvq_bit_reverse_order(KVQ_THREAD float* y) {
     }
 }
 
-// y holds the signed input x * signs; leaves R x (the quantizer's rotated vector).
+// y holds the sign-flipped input; leaves R x (the quantizer's rotated vector).
 KVQ_DEVICE_FN void kvq_rotate_forward(KVQ_THREAD float* y) {
 #if KVQ_ROT == 1
     kvq_fwht(y);
@@ -168,7 +176,7 @@ KVQ_DEVICE_FN void kvq_rotate_forward(KVQ_THREAD float* y) {
 #endif
 }
 
-// y holds a rotated vector; leaves R^T y (still to be multiplied by the signs).
+// y holds a rotated vector; leaves R^T y (its signs still to be flipped).
 KVQ_DEVICE_FN void kvq_rotate_inverse(KVQ_THREAD float* y) {
 #if KVQ_ROT == 1
     kvq_fwht(y);
@@ -186,33 +194,42 @@ KVQ_DEVICE_FN void kvq_rotate_inverse(KVQ_THREAD float* y) {
 #endif
 }
 
-KVQ_DEVICE_FN float kvq_lambda(KVQ_GMEM const float* lam, uint i) {
-    return kvq_max(lam[i], 1e-6f);  // RotatedQuantizer's LAMBDA_FLOOR
-}
+#define KVQ_IN_CHUNKS (KVQ_D / (4 * KVQ_IN_PER_WORD))    // 16-byte chunks of an input row
+#define KVQ_OUT_CHUNKS (KVQ_D / (4 * KVQ_OUT_PER_WORD))  // and of an output row
 
-// x (n, D) -> codes (n, KVQ_CODE_BYTES), scales (n, KVQ_GROUPS); this thread takes vector `vec`.
+#define KVQ_CODE_WORDS (KVQ_CODE_BYTES / 4)                // 32-bit words of a vector's codes
+
+// Vector `vec` of x (n, D), its row read in place as 16-byte chunks (the caller guarantees 16-byte
+// aligned rows: D * size >= 16), to scales (n, KVQ_GROUPS) and its KVQ_CODE_WORDS code words, word w
+// written to code_words[w ^ swizzle] (an entry may gather them in shared memory with a bank-spreading
+// swizzle and write them out coalesced; 0 writes them in order).
 KVQ_DEVICE_FN void kvq_quantize_body(
-    KVQ_GMEM const KVQ_IN_T* x, KVQ_GMEM const float* signs, KVQ_GMEM const float* lam, uint has_lam,
-    KVQ_GMEM uchar* codes, KVQ_GMEM float* scales, uint n, uint vec) {
-    if (vec >= n) return;
+    KVQ_GMEM const KVQ_IN_T* x, KVQ_GMEM const uint* sign_words, KVQ_GMEM const float* lam, uint has_lam,
+    KVQ_GMEM uint* code_words, uint swizzle, KVQ_GMEM float* scales, uint vec) {
     float y[KVQ_D];
-    // Rows are read as 16-byte chunks (the caller guarantees 16-byte aligned rows: D * size >= 16).
     KVQ_GMEM const uint4* row = (KVQ_GMEM const uint4*)(x + (kvq_index)vec * KVQ_D);
-    KVQ_UNROLL for (uint c = 0; c < KVQ_D / (4 * KVQ_IN_PER_WORD); ++c) {
-        uint4 chunk = row[c];
-        uint words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+    KVQ_GMEM const uint4* flips = (KVQ_GMEM const uint4*)sign_words;
+    KVQ_UNROLL for (uint c = 0; c < KVQ_IN_CHUNKS; ++c) {
+        uint4 chunk = row[c], flip = flips[c];
+        uint words[4] = {chunk.x ^ flip.x, chunk.y ^ flip.y, chunk.z ^ flip.z, chunk.w ^ flip.w};
         KVQ_UNROLL for (uint w = 0; w < 4; ++w) {
             KVQ_UNROLL for (uint e = 0; e < KVQ_IN_PER_WORD; ++e) {
-                uint i = (4 * c + w) * KVQ_IN_PER_WORD + e;
-                y[i] = kvq_in_element(words[w], e) * signs[i];
+                y[(4 * c + w) * KVQ_IN_PER_WORD + e] = kvq_in_element(words[w], e);
             }
         }
     }
     kvq_rotate_forward(y);
     if (has_lam) {
-        KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] *= kvq_lambda(lam, i);
+        KVQ_GMEM const uint4* lam_chunks = (KVQ_GMEM const uint4*)lam;
+        KVQ_UNROLL for (uint c = 0; c < KVQ_D / 4; ++c) {
+            uint4 chunk = lam_chunks[c];
+            y[4 * c] *= kvq_bits_float(chunk.x);
+            y[4 * c + 1] *= kvq_bits_float(chunk.y);
+            y[4 * c + 2] *= kvq_bits_float(chunk.z);
+            y[4 * c + 3] *= kvq_bits_float(chunk.w);
+        }
     }
-    KVQ_GMEM uint* code_words = (KVQ_GMEM uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
+    float inverse[KVQ_GROUPS];
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
         float amax = 0.0f;
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) amax = kvq_max(amax, kvq_fabs(y[i]));
@@ -220,36 +237,39 @@ KVQ_DEVICE_FN void kvq_quantize_body(
         scales[(kvq_index)vec * KVQ_GROUPS + g] = scale;
         // One division per group: y * (1 / scale) is within an ulp of y / scale, so codes can differ from
         // the reference's only at round-half ties (which the tests count).
-        float inverse = 1.0f / scale;
-        KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) {
-            y[i] = kvq_clamp(kvq_rint(y[i] * inverse), -(float)KVQ_QMAX, (float)KVQ_QMAX);
-        }
+        inverse[g] = 1.0f / scale;
     }
-    KVQ_UNROLL for (uint w = 0; w < KVQ_D / KVQ_CODES_PER_WORD; ++w) {
+    // No clamp: |y| <= amax keeps |y * inverse| within QMAX (1 + 3 ulp), which rounds to at most QMAX.
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) {
         uint word = 0;
         KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
-            uint code = (uint)(int)y[w * KVQ_CODES_PER_WORD + e] & ((1u << KVQ_BITS) - 1u);
-            word |= code << (KVQ_BITS * e);
+            uint i = w * KVQ_CODES_PER_WORD + e;
+            uint rounded = kvq_float_bits(kvq_fma(y[i], inverse[i / KVQ_GROUP], KVQ_ROUND_MAGIC));
+            word |= (rounded & ((1u << KVQ_BITS) - 1u)) << (KVQ_BITS * e);
         }
-        code_words[w] = word;
+        code_words[w ^ swizzle] = word;
     }
 }
 
-KVQ_DEVICE_FN int kvq_sign_extend(uint code) {
-    return ((int)code ^ (1 << (KVQ_BITS - 1))) - (1 << (KVQ_BITS - 1));
+// A code's exact value from its two's-complement bits without an int-to-float conversion (a
+// quarter-rate instruction on GPUs): flipping the sign bit gives code + 2^(BITS-1) >= 0, which placed
+// under KVQ_ROUND_MAGIC's exponent is the float KVQ_ROUND_MAGIC + code + 2^(BITS-1).
+KVQ_DEVICE_FN float kvq_code_value(uint code_bits) {
+    const uint bias = 1u << (KVQ_BITS - 1);
+    return kvq_bits_float(KVQ_ROUND_MAGIC_BITS | (code_bits ^ bias)) - (KVQ_ROUND_MAGIC + (float)bias);
 }
 
-// Inverse: codes, scales -> x (n, D) in the output type; this thread takes vector `vec`.
+// Inverse: vector `vec` of codes, scales -> its row in the output type, written as 16-byte chunks,
+// chunk c to row[c ^ swizzle].
 KVQ_DEVICE_FN void kvq_dequantize_body(
-    KVQ_GMEM const uchar* codes, KVQ_GMEM const float* scales, KVQ_GMEM const float* signs,
-    KVQ_GMEM const float* lam, uint has_lam, KVQ_GMEM KVQ_OUT_T* x, uint n, uint vec) {
-    if (vec >= n) return;
+    KVQ_GMEM const uchar* codes, KVQ_GMEM const float* scales, KVQ_GMEM const uint* sign_words,
+    KVQ_GMEM const float* inverse_lam, uint has_lam, KVQ_GMEM uint4* row, uint swizzle, uint vec) {
     float y[KVQ_D];
     KVQ_GMEM const uint* code_words = (KVQ_GMEM const uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
     KVQ_UNROLL for (uint w = 0; w < KVQ_D / KVQ_CODES_PER_WORD; ++w) {
         uint word = code_words[w];
         KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
-            y[w * KVQ_CODES_PER_WORD + e] = (float)kvq_sign_extend((word >> (KVQ_BITS * e)) & ((1u << KVQ_BITS) - 1u));
+            y[w * KVQ_CODES_PER_WORD + e] = kvq_code_value((word >> (KVQ_BITS * e)) & ((1u << KVQ_BITS) - 1u));
         }
     }
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
@@ -257,26 +277,29 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) y[i] *= scale;
     }
     if (has_lam) {
-        KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] /= kvq_lambda(lam, i);
+        KVQ_GMEM const uint4* lam_chunks = (KVQ_GMEM const uint4*)inverse_lam;
+        KVQ_UNROLL for (uint c = 0; c < KVQ_D / 4; ++c) {
+            uint4 chunk = lam_chunks[c];
+            y[4 * c] *= kvq_bits_float(chunk.x);
+            y[4 * c + 1] *= kvq_bits_float(chunk.y);
+            y[4 * c + 2] *= kvq_bits_float(chunk.z);
+            y[4 * c + 3] *= kvq_bits_float(chunk.w);
+        }
     }
     kvq_rotate_inverse(y);
-    // Rows are written as 16-byte chunks, as the quantize kernel reads them.
-    KVQ_GMEM uint4* row = (KVQ_GMEM uint4*)(x + (kvq_index)vec * KVQ_D);
-    KVQ_UNROLL for (uint c = 0; c < KVQ_D / (4 * KVQ_OUT_PER_WORD); ++c) {
+    KVQ_GMEM const uint4* flips = (KVQ_GMEM const uint4*)sign_words;
+    KVQ_UNROLL for (uint c = 0; c < KVQ_OUT_CHUNKS; ++c) {
         uint words[4];
         KVQ_UNROLL for (uint w = 0; w < 4; ++w) {
             float values[KVQ_OUT_PER_WORD];
-            KVQ_UNROLL for (uint e = 0; e < KVQ_OUT_PER_WORD; ++e) {
-                uint i = (4 * c + w) * KVQ_OUT_PER_WORD + e;
-                values[e] = y[i] * signs[i];
-            }
+            KVQ_UNROLL for (uint e = 0; e < KVQ_OUT_PER_WORD; ++e) values[e] = y[(4 * c + w) * KVQ_OUT_PER_WORD + e];
             words[w] = kvq_out_word(values);
         }
-        uint4 chunk;
-        chunk.x = words[0];
-        chunk.y = words[1];
-        chunk.z = words[2];
-        chunk.w = words[3];
-        row[c] = chunk;
+        uint4 flip = flips[c], chunk;
+        chunk.x = words[0] ^ flip.x;
+        chunk.y = words[1] ^ flip.y;
+        chunk.z = words[2] ^ flip.z;
+        chunk.w = words[3] ^ flip.w;
+        row[c ^ swizzle] = chunk;
     }
 }

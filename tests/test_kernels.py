@@ -69,9 +69,9 @@ struct bfloat2 { float v[2]; bfloat2(float a, float b) : v{a, b} {} };
 namespace metal {
 template <typename T, typename U> T as_type(U);
 inline float max(float a, float b) { return a > b ? a : b; }
-inline float clamp(float x, float lo, float hi) { return max(lo, x < hi ? x : hi); }
 inline float fabs(float x) { return x < 0 ? -x : x; }
-namespace precise { float rint(float); float sqrt(float); }
+inline float fma(float a, float b, float c) { return a * b + c; }
+namespace precise { float sqrt(float); }
 }
 """
 

@@ -40,12 +40,20 @@ def run(bank, tmp_path):
     return [row["response"] for row in per_sample(results, "kvq_passkey")]
 
 
+def answer(response: str) -> str:
+    words = response.split()
+    return words[0] if words else ""
+
+
 def test_offline_lmeval_outputs_follow_bits(tmp_path):
     geometry = kv_geometry(loaded("smollm2-135m").model.config)
     fp = run(None, tmp_path)
     eight = run(QuantizerBank(QuantSpec("int", 8), geometry), tmp_path)
     two = run(QuantizerBank(QuantSpec("int", 2), geometry), tmp_path)
     assert len(fp) == len(eight) == len(two) == 5
+    # The answer is the first word; greedy text after it may part at near-tied tokens (int8 does, in
+    # transformers 5.23, on one sample's trailing words).
+    fp, eight, two = ([answer(response) for response in responses] for responses in (fp, eight, two))
     assert sum(a == b for a, b in zip(fp, eight, strict=True)) >= 4
     assert sum(a != b for a, b in zip(fp, two, strict=True)) >= 4
 

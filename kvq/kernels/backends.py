@@ -23,7 +23,7 @@ class KernelBackend:
         scales = torch.empty(n, plan.groups, dtype=torch.float32, device=rows.device)
         if n:
             self._launch(plan, "kvq_quantize", rows.dtype, torch.float32, n,
-                         [rows, *self._constants(plan), codes, scales])
+                         [rows, *self._constants(plan, rows.dtype, 0), codes, scales])
         return codes, scales
 
     def dequantize(self, plan: KernelPlan, codes: torch.Tensor, scales: torch.Tensor,
@@ -32,14 +32,17 @@ class KernelBackend:
         rows = torch.empty(n, plan.d, dtype=dtype, device=codes.device)
         if n:
             self._launch(plan, "kvq_dequantize", torch.float32, dtype, n,
-                         [codes, scales, *self._constants(plan), rows])
+                         [codes, scales, *self._constants(plan, dtype, 1), rows])
         return rows
 
     @staticmethod
-    def _constants(plan: KernelPlan) -> list:
-        """Kernel arguments from a plan already on the tensors' device (KernelPlan.on)."""
-        lam = plan.lam if plan.lam is not None else plan.signs  # unread when has_lam is 0
-        return [plan.signs, lam, int(plan.lam is not None)]
+    def _constants(plan: KernelPlan, dtype: torch.dtype, lam_part: int) -> list:
+        """sign_words, lambda (lam_part 0: floored, for quantize; 1: reciprocal, for dequantize), has_lam,
+        from a plan already on the tensors' device (KernelPlan.on); dtype is the vectors' element type."""
+        words = plan.sign_words[dtype.itemsize]
+        if plan.kernel_lam is None:
+            return [words, words, 0]  # the lambda pointer is unread when has_lam is 0
+        return [words, plan.kernel_lam[lam_part], 1]
 
     def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
         raise NotImplementedError

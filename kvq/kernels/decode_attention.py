@@ -39,6 +39,7 @@ except ImportError:  # CPU installs: the reference path serves
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 MAX_ROWS = 64  # query rows x scale groups per program beyond which the accumulators spill: reference path
 WIDE_HEAD = 256  # from this head_dim on, shallower pipelining keeps the K/V tiles inside shared memory
+MAP_COLUMNS = 32  # output columns per program of the query map and the reduce: more programs, shorter chains
 
 
 @dataclass
@@ -269,38 +270,37 @@ if triton is not None:
         tl.store(l_ptr + stat, l_i, mask=row_ok)
 
     @triton.jit
-    def _map_query_kernel(q_ptr, map_ptr, out_ptr, D: tl.constexpr, CHUNK: tl.constexpr):
-        """out = q @ query_map in float32, one program per (batch, query head): the query's cast and
-        product in one launch (the decode step is launch-bound at short context)."""
+    def _map_query_kernel(q_ptr, map_ptr, out_ptr, D: tl.constexpr, COLS: tl.constexpr):
+        """out = q @ query_map in float32, one program per (batch, query head) and block of COLS columns:
+        each reads its slice of the map in one round trip (the step's short kernels are latency-bound)."""
         bh = tl.program_id(0)
-        cols = tl.arange(0, D)
-        acc = tl.zeros([D], tl.float32)
-        for r0 in tl.static_range(0, D, CHUNK):
-            rows = r0 + tl.arange(0, CHUNK)
-            q = tl.load(q_ptr + bh * D + rows).to(tl.float32)
-            acc += tl.sum(q[:, None] * tl.load(map_ptr + rows[:, None] * D + cols[None, :]), 0)
-        tl.store(out_ptr + bh * D + cols, acc)
+        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        rows = tl.arange(0, D)
+        q = tl.load(q_ptr + bh * D + rows).to(tl.float32)
+        tl.store(out_ptr + bh * D + cols, tl.sum(q[:, None] * tl.load(map_ptr + rows[:, None] * D + cols[None, :]), 0))
 
     @triton.jit(do_not_specialize=["n_splits"])
-    def _reduce_kernel(o_ptr, m_ptr, l_ptr, omap_ptr, out_ptr, n_splits, D: tl.constexpr, SPLITS: tl.constexpr):
+    def _reduce_kernel(o_ptr, m_ptr, l_ptr, omap_ptr, out_ptr, n_splits, D: tl.constexpr, SPLITS: tl.constexpr,
+                       COLS: tl.constexpr):
         """Eq. 5, o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c, with the packed splits' sum mapped by
-        output_map (d, d) before the window split (the last) is added; one program per (batch, query head)."""
+        output_map (d, d) before the window split (the last) is added; one program per (batch, query head)
+        and block of COLS output columns."""
         bh = tl.program_id(0)
+        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
         splits = tl.arange(0, SPLITS)
-        packed = splits < n_splits - 1
         ok = splits < n_splits
         m = tl.load(m_ptr + bh * n_splits + splits, mask=ok, other=float("-inf"))
         l_c = tl.load(l_ptr + bh * n_splits + splits, mask=ok, other=0.0)
         m_max = tl.max(m, 0)
         weight = tl.where(ok, tl.exp(m - m_max), 0.0)
-        cols = tl.arange(0, D)
+        packed_weight = tl.where(splits < n_splits - 1, weight, 0.0)
+        window_weight = tl.sum(tl.where(splits == n_splits - 1, weight, 0.0), 0)
         rows = tl.arange(0, D)
-        o = tl.load(o_ptr + (bh * n_splits + splits[:, None]) * D + cols[None, :], mask=ok[:, None], other=0.0)
-        packed_sum = tl.sum(tl.where(packed[:, None], o * weight[:, None], 0.0), 0)
-        window_sum = tl.sum(tl.where(packed[:, None], 0.0, o * weight[:, None]), 0)
-        output_map = tl.load(omap_ptr + rows[:, None] * D + cols[None, :])
-        mapped = tl.sum(packed_sum[:, None] * output_map, 0)  # row vector @ output_map
-        out = (mapped + window_sum) / tl.sum(l_c * weight, 0)
+        o = tl.load(o_ptr + (bh * n_splits + splits[:, None]) * D + rows[None, :], mask=ok[:, None], other=0.0)
+        packed_sum = tl.sum(o * packed_weight[:, None], 0)
+        mapped = tl.sum(packed_sum[:, None] * tl.load(omap_ptr + rows[:, None] * D + cols[None, :]), 0)
+        window = tl.load(o_ptr + (bh * n_splits + n_splits - 1) * D + cols)
+        out = (mapped + window * window_weight) / tl.sum(l_c * weight, 0)
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
@@ -379,8 +379,9 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
     query, output_map = query.contiguous(), output_map.float().contiguous()
     mapped_query = torch.empty(batch, q_heads, d, device=query.device, dtype=torch.float32)
-    _launch(_map_query_kernel, (batch * q_heads,), (query, query_map.float().contiguous(), mapped_query), D=d,
-            CHUNK=16)
+    columns = min(d, MAP_COLUMNS)
+    _launch(_map_query_kernel, (batch * q_heads, d // columns), (query, query_map.float().contiguous(), mapped_query),
+            D=d, COLS=columns)
     capacity = _rows_buffer(keys.codes)
     if not (capacity == _rows_buffer(keys.scales) == _rows_buffer(values.codes) == _rows_buffer(values.scales)):
         raise ValueError("packed K and V codes and scales must share one row capacity")
@@ -398,8 +399,8 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
         BITS=keys.bits, K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
         num_warps=LAUNCH.num_warps, num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages)
     out = torch.empty(batch, q_heads, d, device=query.device, dtype=dtype)
-    _launch(_reduce_kernel, (batch * q_heads,), (partial, maxima, sums, output_map, out, n_splits), D=d,
-            SPLITS=triton.next_power_of_2(n_splits))
+    _launch(_reduce_kernel, (batch * q_heads, d // columns), (partial, maxima, sums, output_map, out, n_splits), D=d,
+            SPLITS=triton.next_power_of_2(n_splits), COLS=columns)
     return out
 
 

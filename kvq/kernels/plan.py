@@ -7,10 +7,11 @@ kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Anything else keeps the
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from kvq.quant.rotated import RotatedPacked, RotatedQuantizer
+from kvq.quant.rotated import LAMBDA_FLOOR, RotatedPacked, RotatedQuantizer
 from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Identity
 
@@ -48,9 +49,31 @@ class KernelPlan:
         lam = self.lam.to(device=device, dtype=torch.float32) if self.lam is not None else None
         return KernelPlan(self.d, self.bits, self.group, self.rotation, self.signs.to(device), lam)
 
+    @cached_property
+    def sign_words(self) -> dict[int, torch.Tensor]:
+        """Per element size in bytes (2 or 4): the signs as int32 XOR masks over the 32-bit words that
+        hold a vector of such elements (a sign flip is exact, and one logic op per word)."""
+        return {size: _sign_masks(self.signs, size) for size in (2, 4)}
+
+    @cached_property
+    def kernel_lam(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(lambda floored as RotatedQuantizer floors it, its reciprocal): what quantize multiplies by and
+        what dequantize multiplies by, or None without lambda."""
+        if self.lam is None:
+            return None
+        floored = self.lam.clamp_min(LAMBDA_FLOOR).contiguous()
+        return floored, 1.0 / floored
+
     def defines(self) -> dict[str, int | str]:
         return {"KVQ_D": self.d, "KVQ_GROUP": self.group, "KVQ_BITS": self.bits, "KVQ_ROT": self.rotation,
                 "KVQ_BLOCK": THREADS_PER_GROUP, "KVQ_TWIDDLES": twiddle_literals(self.d)}
+
+
+def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
+    per_word, width = 4 // element_bytes, 8 * element_bytes
+    negative = (signs < 0).to(torch.int64).view(-1, per_word)
+    masks = (negative << (torch.arange(per_word, device=signs.device) * width + width - 1)).sum(-1)
+    return (masks - (masks >> 31 << 32)).to(torch.int32)  # bit 31 set: the int32 with that bit pattern
 
 
 def _power_of_two(n: int) -> bool:
