@@ -6,6 +6,7 @@ dequantize-then-SDPA, at Llama-3-8B-like shapes. decode: HF generate ms/token wi
 DynamicCache vs kvq's fused int4 cache on a random-init model of a real architecture config.
 """
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -196,16 +197,34 @@ def _cache_bytes(cache) -> int | None:
     return dynamic_cache_bytes(cache) if type(cache) is DynamicCache else None
 
 
-def _generate_seconds(model, cache, prompt: torch.Tensor, tokens: int) -> float:
+class _StepClock:
+    """A logits processor that notes the time at every generated token once the GPU has caught up: the
+    gaps are single decode steps, so ms/token is a median over steps and not a difference of two whole
+    generate calls (host-bound runs vary by 2x from call to call)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores):
+        _synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _generate_steps(model, cache, prompt: torch.Tensor, tokens: int) -> tuple[float, list[float]]:
+    """(seconds to the first token, seconds of each later step)."""
+    from transformers import LogitsProcessorList
+
     from kvq.cache import QuantizedKVCache, fused_decoding
 
     routing = fused_decoding(model, cache) if isinstance(cache, QuantizedKVCache) else nullcontext()
+    clock = _StepClock(prompt.device)
     with torch.no_grad(), routing:
         _synchronize(prompt.device)
         began = time.perf_counter()
-        model.generate(prompt, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        _synchronize(prompt.device)
-    return time.perf_counter() - began
+        model.generate(prompt, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                       logits_processor=LogitsProcessorList([clock]))
+    return clock.times[0] - began, [b - a for a, b in itertools.pairwise(clock.times)]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -214,17 +233,16 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _decode_row(model, make_cache, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
-    """Median over `repeats` of (time for prompt + new_tokens - time for prompt + 1) / (new_tokens - 1),
-    each pair run back to back after one untimed warm-up generate."""
-    _generate_seconds(model, make_cache(), prompt, 2)
-    per_token, prefill = [], []
+    """Median step time over `repeats` generates of new_tokens tokens, after one untimed warm-up."""
+    _generate_steps(model, make_cache(), prompt, 2)
+    steps, per_run, prefill = [], [], []
     for _ in range(repeats):
-        first = _generate_seconds(model, make_cache(), prompt, 1)
         cache = make_cache()
-        total = _generate_seconds(model, cache, prompt, new_tokens)
-        per_token.append((total - first) / (new_tokens - 1))
+        first, run = _generate_steps(model, cache, prompt, new_tokens)
+        steps += run
+        per_run.append(statistics.median(run))
         prefill.append(first)
-    return {"ms_per_token": statistics.median(per_token) * 1e3, "ms_per_token_runs": [t * 1e3 for t in per_token],
+    return {"ms_per_token": statistics.median(steps) * 1e3, "ms_per_token_runs": [t * 1e3 for t in per_run],
             "prefill_s": statistics.median(prefill), "cache_bytes": _cache_bytes(cache)}
 
 
