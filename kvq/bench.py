@@ -6,6 +6,7 @@ dequantize-then-SDPA, at Llama-3-8B-like shapes. decode: HF generate ms/token wi
 DynamicCache vs kvq's fused int4 cache on a random-init model of a real architecture config.
 """
 
+import gc
 import itertools
 import statistics
 import time
@@ -232,23 +233,38 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode_row(model, make_cache, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
-    """Median step time over `repeats` generates of new_tokens tokens, after one untimed warm-up."""
-    _generate_steps(model, make_cache(), prompt, 2)
-    steps, per_run, prefill = [], [], []
-    for _ in range(repeats):
-        cache = make_cache()
-        first, run = _generate_steps(model, cache, prompt, new_tokens)
-        steps += run
-        per_run.append(statistics.median(run))
-        prefill.append(first)
-    return {"ms_per_token": statistics.median(steps) * 1e3, "ms_per_token_runs": [t * 1e3 for t in per_run],
-            "prefill_s": statistics.median(prefill), "cache_bytes": _cache_bytes(cache)}
+def _decode_rows(model, factories: dict, prompt: torch.Tensor, new_tokens: int, repeats: int) -> list[dict]:
+    """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
+    one untimed generate of the same length (allocator and kernel warm-up); then the caches take turns
+    run by run, with Python's garbage collector held off, so drift in the host's speed (runs of one
+    cache vary by 2x on a shared host) falls on all of them alike."""
+    for make in factories.values():
+        _generate_steps(model, make(), prompt, new_tokens)
+    steps = {label: [] for label in factories}
+    per_run = {label: [] for label in factories}
+    prefill = {label: [] for label in factories}
+    held = {}
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for label, make in factories.items():
+                held[label] = make()
+                first, run = _generate_steps(model, held[label], prompt, new_tokens)
+                steps[label] += run
+                per_run[label].append(statistics.median(run) * 1e3)
+                prefill[label].append(first)
+    finally:
+        if collecting:
+            gc.enable()
+    return [{"prompt": prompt.shape[-1], "cache": label, "ms_per_token": statistics.median(steps[label]) * 1e3,
+             "ms_per_token_runs": per_run[label], "prefill_s": statistics.median(prefill[label]),
+             "cache_bytes": _cache_bytes(held[label])} for label in factories]
 
 
 def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32, config=None,
-                 repeats: int = 3) -> dict:
-    """HF generate ms/token per cache at each prompt length (see _decode_row)."""
+                 repeats: int = 5) -> dict:
+    """HF generate ms/token per cache at each prompt length (see _decode_rows)."""
     from transformers import DynamicCache, LlamaForCausalLM
 
     from kvq.apply import QuantizerBank, kv_geometry
@@ -271,11 +287,10 @@ def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32,
     rows = []
     for length in prompts:
         prompt = torch.randint(0, config.vocab_size, (1, length), device=device)
-        for label, make in factories.items():
-            rows.append({"prompt": length, "cache": label} | _decode_row(model, make, prompt, new_tokens, repeats))
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+        rows += _decode_rows(model, factories, prompt, new_tokens, repeats)
         rows += [{"prompt": length, "cache": label, "skipped": why} for label, why in skipped.items()]
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
             "rows": rows}
 
