@@ -63,7 +63,7 @@ def main() -> None:
                                                                        dynamic.layers[0].values, None),
         "kvq FusedLayer.update (window write)": lambda: (layer.update(*token), setattr(layer, "count", 3)),
         "kvq FusedLayer.attend": lambda: layer.attend(query, 128 ** -0.5),
-        "  decode_attention (2 Triton launches)": lambda: decode_attention.decode_attention(
+        "  decode_attention (3 Triton launches)": lambda: decode_attention.decode_attention(
             query.squeeze(-2), layer.maps.query, keys, values, window, window, layer.maps.output, 128 ** -0.5),
     }
     for name, fn in pieces.items():

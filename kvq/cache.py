@@ -121,6 +121,7 @@ class PackedStore:
         self.codes: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.length = 0
+        self._view: PackedKV | None = None  # decode reads it every step; it changes only at an append
 
     @staticmethod
     def _grown(buffer: torch.Tensor | None, like: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
@@ -140,9 +141,13 @@ class PackedStore:
         self.codes[..., self.length:end, :] = codes
         self.scales[..., self.length:end, :] = scales
         self.length = end
+        self._view = None
 
     def view(self) -> PackedKV:
-        return PackedKV(self.codes[..., :self.length, :], self.scales[..., :self.length, :], self.bits, self.head_dim)
+        if self._view is None:
+            self._view = PackedKV(self.codes[..., :self.length, :], self.scales[..., :self.length, :], self.bits,
+                                  self.head_dim)
+        return self._view
 
     def held_bytes(self) -> int:
         return held_bytes((self.codes, self.scales))
@@ -178,6 +183,7 @@ class FusedLayer(WindowedLayer):
         d = bank.geometry.head_dim
         self.stores = {role: PackedStore(q.inner.bits, d) for role, q in self.quantizers.items()}
         self.raw: dict[str, torch.Tensor] = {}
+        self.window_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.count = 0
         self.maps: DomainMaps | None = None
         self.deferred = False
@@ -232,9 +238,12 @@ class FusedLayer(WindowedLayer):
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
+        window = self.window_views.get(self.count)
+        if window is None:  # one pair of views per window length, made once (slicing costs host time per layer)
+            window = self.window_views[self.count] = (self.raw["k"][..., :self.count, :],
+                                                      self.raw["v"][..., :self.count, :])
         out = decode_attention(query.squeeze(-2), self.maps.query, self.stores["k"].view(), self.stores["v"].view(),
-                               self.raw["k"][..., :self.count, :], self.raw["v"][..., :self.count, :],
-                               self.maps.output, scaling)
+                               *window, self.maps.output, scaling)
         self.fused_steps += 1
         return out.unsqueeze(1)
 

@@ -332,9 +332,11 @@ def _split_plan(n_packed: int, programs_per_split: int, device: torch.device) ->
 
 def _rows_buffer(t: torch.Tensor) -> int:
     """Rows allocated per (batch, head) of a (B, H, rows, width) view into a contiguous buffer."""
-    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] or t.stride(0) != t.shape[1] * t.stride(1):
+    batch_stride, head_stride, row_stride, column_stride = t.stride()
+    heads, width = t.shape[1], t.shape[3]
+    if column_stride != 1 or row_stride != width or batch_stride != heads * head_stride:
         raise ValueError("decode attention needs views of contiguous (B, H, rows, width) buffers")
-    return t.stride(1) // t.shape[-1]
+    return head_stride // width
 
 
 _compiled: dict[tuple, object] = {}
