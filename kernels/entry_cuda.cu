@@ -1,43 +1,63 @@
 // CUDA entry points: one thread per vector, in blocks of KVQ_BLOCK threads.
 //
-// A thread's codes (and, in dequantize, its output row) sit a whole row's stride from its neighbours',
-// so writing them in place makes every warp-wide store touch 32 cache lines with a few bytes each (the
-// identity rotation ran at 40% of HBM bandwidth, the inverse at 25%). The block instead gathers them in
-// shared memory, item i of row r at r * ITEMS + (i ^ (r & SWIZZLE(ITEMS))) so that neighbouring threads
-// hit different banks, and writes them out coalesced. Loads stay in place: staging them was slower.
+// A thread's row and codes sit a whole row's stride from its neighbours', so touching them in place
+// makes every warp-wide access hit 32 cache lines with a few bytes each (the identity rotation ran at
+// 41% of HBM bandwidth, the inverse at 26%). The block instead moves them between global and shared
+// memory coalesced, item i of row r at r * ITEMS + (i ^ (r & SWIZZLE(ITEMS))) in shared memory so that
+// neighbouring threads hit different banks (RESULTS.md items 13 and 15).
 
 #define KVQ_SWIZZLE(items, limit) ((items) < (limit) ? (items) - 1 : (limit) - 1)
 
-// Coalesced copy of the block's valid rows of ITEMS words of T from tile (swizzled) to out.
-template <typename T, uint ITEMS, uint LIMIT>
-__device__ __forceinline__ void kvq_write_rows(const T* tile, T* out, uint valid_rows) {
+// Each stages what fits: codes and output rows in 32 KB, input rows beside the codes in 40 KB (static
+// shared memory stops at 48 KB).
+#define KVQ_STAGE_CODES (KVQ_BLOCK * KVQ_CODE_BYTES <= 32768)
+#define KVQ_STAGE_ROWS (KVQ_STAGE_CODES && KVQ_BLOCK * (KVQ_CODE_BYTES + KVQ_IN_CHUNKS * 16) <= 40960)
+#define KVQ_STAGE_OUT (KVQ_BLOCK * KVQ_OUT_CHUNKS * 16 <= 32768)
+
+// Coalesced copy of the block's valid rows of ITEMS items of T between global memory and a swizzled
+// tile (into the tile when INTO_TILE), every load issued before the stores that wait on them.
+template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE>
+__device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_rows) {
 #pragma unroll
     for (uint i = 0; i < ITEMS; ++i) {
         uint k = i * KVQ_BLOCK + threadIdx.x, r = k / ITEMS;
-        if (r < valid_rows) out[k] = tile[r * ITEMS + ((k % ITEMS) ^ (r & KVQ_SWIZZLE(ITEMS, LIMIT)))];
+        uint slot = r * ITEMS + ((k % ITEMS) ^ (r & KVQ_SWIZZLE(ITEMS, LIMIT)));
+        if (r < valid_rows) {
+            if (INTO_TILE) tile[slot] = global[k];
+            else global[k] = tile[slot];
+        }
     }
 }
 
-// Each gathers where the block's share fits in 32 KB of shared memory (static shared memory stops at 48).
-#define KVQ_STAGE_CODES (KVQ_BLOCK * KVQ_CODE_BYTES <= 32768)
-#define KVQ_STAGE_OUT (KVQ_BLOCK * KVQ_OUT_CHUNKS * 16 <= 32768)
-
-extern "C" __global__ void kvq_quantize(const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam,
-                                        uchar* codes, float* scales, uint n) {
+// Three blocks per SM: left alone, the staged build takes 204 registers and fits two.
+extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 3) kvq_quantize(
+    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, uchar* codes, float* scales, uint n) {
     uint first = blockIdx.x * KVQ_BLOCK, vec = first + threadIdx.x;
 #if KVQ_STAGE_CODES
-    // 32-bit words: a 16-way swizzle leaves at most two threads of a warp on one bank.
+    // Codes as 32-bit words: a 16-way swizzle leaves at most two threads of a warp on one bank. Rows as
+    // 16-byte chunks: an 8-way swizzle spreads the 8 threads of each 16-byte access phase over the banks.
     __shared__ uint tile[KVQ_BLOCK * KVQ_CODE_WORDS];
+    uint valid = min(KVQ_BLOCK, n - first);
+#if KVQ_STAGE_ROWS
+    __shared__ uint4 rows[KVQ_BLOCK * KVQ_IN_CHUNKS];
+    kvq_copy_rows<uint4, KVQ_IN_CHUNKS, 8, true>((uint4*)(x + (kvq_index)first * KVQ_D), rows, valid);
+    __syncthreads();
+    const uint4* row = rows + threadIdx.x * KVQ_IN_CHUNKS;
+    uint row_swizzle = threadIdx.x & KVQ_SWIZZLE(KVQ_IN_CHUNKS, 8);
+#else
+    const uint4* row = (const uint4*)(x + (kvq_index)vec * KVQ_D);
+    uint row_swizzle = 0;
+#endif
     if (vec < n) {
-        kvq_quantize_body(x, sign_words, lam, has_lam, tile + threadIdx.x * KVQ_CODE_WORDS,
+        kvq_quantize_body(row, row_swizzle, sign_words, lam, has_lam, tile + threadIdx.x * KVQ_CODE_WORDS,
                           threadIdx.x & KVQ_SWIZZLE(KVQ_CODE_WORDS, 16), scales, vec);
     }
     __syncthreads();
-    kvq_write_rows<uint, KVQ_CODE_WORDS, 16>(tile, (uint*)(codes + (kvq_index)first * KVQ_CODE_BYTES),
-                                             min(KVQ_BLOCK, n - first));
+    kvq_copy_rows<uint, KVQ_CODE_WORDS, 16, false>((uint*)(codes + (kvq_index)first * KVQ_CODE_BYTES), tile, valid);
 #else
     if (vec >= n) return;
-    kvq_quantize_body(x, sign_words, lam, has_lam, (uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES), 0, scales, vec);
+    kvq_quantize_body((const uint4*)(x + (kvq_index)vec * KVQ_D), 0, sign_words, lam, has_lam,
+                      (uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES), 0, scales, vec);
 #endif
 }
 
@@ -45,14 +65,13 @@ extern "C" __global__ void kvq_dequantize(const uchar* codes, const float* scale
                                           const float* inverse_lam, uint has_lam, KVQ_OUT_T* x, uint n) {
     uint first = blockIdx.x * KVQ_BLOCK, vec = first + threadIdx.x;
 #if KVQ_STAGE_OUT
-    // 16-byte chunks: an 8-way swizzle puts the 8 threads of each 16-byte access phase on distinct banks.
     __shared__ uint4 tile[KVQ_BLOCK * KVQ_OUT_CHUNKS];
     if (vec < n) {
         kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, tile + threadIdx.x * KVQ_OUT_CHUNKS,
                             threadIdx.x & KVQ_SWIZZLE(KVQ_OUT_CHUNKS, 8), vec);
     }
     __syncthreads();
-    kvq_write_rows<uint4, KVQ_OUT_CHUNKS, 8>(tile, (uint4*)(x + (kvq_index)first * KVQ_D), min(KVQ_BLOCK, n - first));
+    kvq_copy_rows<uint4, KVQ_OUT_CHUNKS, 8, false>((uint4*)(x + (kvq_index)first * KVQ_D), tile, min(KVQ_BLOCK, n - first));
 #else
     if (vec >= n) return;
     kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, (uint4*)(x + (kvq_index)vec * KVQ_D), 0, vec);

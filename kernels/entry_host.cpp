@@ -4,7 +4,8 @@ extern "C" void kvq_quantize(const float* x, const uint* sign_words, const float
                              float* scales, uint n) {
     for (uint vec = 0; vec < n; ++vec) {
         uint* code_words = (uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
-        kvq_quantize_body(x, sign_words, lam, has_lam, code_words, 0, scales, vec);
+        kvq_quantize_body((const uint4*)(x + (kvq_index)vec * KVQ_D), 0, sign_words, lam, has_lam, code_words, 0, scales,
+                          vec);
     }
 }
 

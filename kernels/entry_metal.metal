@@ -6,7 +6,8 @@ kernel void kvq_quantize(device const KVQ_IN_T* x [[buffer(0)]], device const ui
                          device const uint* n [[buffer(6)]], uint vec [[thread_position_in_grid]]) {
     if (vec >= n[0]) return;
     device uint* code_words = (device uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
-    kvq_quantize_body(x, sign_words, lam, has_lam[0], code_words, 0, scales, vec);
+    device const uint4* row = (device const uint4*)(x + (kvq_index)vec * KVQ_D);
+    kvq_quantize_body(row, 0, sign_words, lam, has_lam[0], code_words, 0, scales, vec);
 }
 
 kernel void kvq_dequantize(device const uchar* codes [[buffer(0)]], device const float* scales [[buffer(1)]],

@@ -199,18 +199,18 @@ KVQ_DEVICE_FN void kvq_rotate_inverse(KVQ_THREAD float* y) {
 
 #define KVQ_CODE_WORDS (KVQ_CODE_BYTES / 4)                // 32-bit words of a vector's codes
 
-// Vector `vec` of x (n, D), its row read in place as 16-byte chunks (the caller guarantees 16-byte
-// aligned rows: D * size >= 16), to scales (n, KVQ_GROUPS) and its KVQ_CODE_WORDS code words, word w
-// written to code_words[w ^ swizzle] (an entry may gather them in shared memory with a bank-spreading
-// swizzle and write them out coalesced; 0 writes them in order).
+// Vector `vec`, its row given as 16-byte chunks with chunk c at row[c ^ row_swizzle], to scales
+// (n, KVQ_GROUPS) and its KVQ_CODE_WORDS code words, word w written to code_words[w ^ code_swizzle].
+// An entry may stage rows and codes in shared memory with bank-spreading swizzles and move them to and
+// from global memory coalesced; swizzles of 0 read and write in order (rows in place must be 16-byte
+// aligned: D * size >= 16).
 KVQ_DEVICE_FN void kvq_quantize_body(
-    KVQ_GMEM const KVQ_IN_T* x, KVQ_GMEM const uint* sign_words, KVQ_GMEM const float* lam, uint has_lam,
-    KVQ_GMEM uint* code_words, uint swizzle, KVQ_GMEM float* scales, uint vec) {
+    KVQ_GMEM const uint4* row, uint row_swizzle, KVQ_GMEM const uint* sign_words, KVQ_GMEM const float* lam,
+    uint has_lam, KVQ_GMEM uint* code_words, uint code_swizzle, KVQ_GMEM float* scales, uint vec) {
     float y[KVQ_D];
-    KVQ_GMEM const uint4* row = (KVQ_GMEM const uint4*)(x + (kvq_index)vec * KVQ_D);
     KVQ_GMEM const uint4* flips = (KVQ_GMEM const uint4*)sign_words;
     KVQ_UNROLL for (uint c = 0; c < KVQ_IN_CHUNKS; ++c) {
-        uint4 chunk = row[c], flip = flips[c];
+        uint4 chunk = row[c ^ row_swizzle], flip = flips[c];
         uint words[4] = {chunk.x ^ flip.x, chunk.y ^ flip.y, chunk.z ^ flip.z, chunk.w ^ flip.w};
         KVQ_UNROLL for (uint w = 0; w < 4; ++w) {
             KVQ_UNROLL for (uint e = 0; e < KVQ_IN_PER_WORD; ++e) {
@@ -247,7 +247,7 @@ KVQ_DEVICE_FN void kvq_quantize_body(
             uint rounded = kvq_float_bits(kvq_fma(y[i], inverse[i / KVQ_GROUP], KVQ_ROUND_MAGIC));
             word |= (rounded & ((1u << KVQ_BITS) - 1u)) << (KVQ_BITS * e);
         }
-        code_words[w ^ swizzle] = word;
+        code_words[w ^ code_swizzle] = word;
     }
 }
 
