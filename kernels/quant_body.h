@@ -194,6 +194,18 @@ KVQ_DEVICE_FN void kvq_rotate_inverse(KVQ_THREAD float* y) {
 #endif
 }
 
+// y *= factors (D floats, 16-byte aligned), read as 16-byte chunks.
+KVQ_DEVICE_FN void kvq_scale_by(KVQ_THREAD float* y, KVQ_GMEM const float* factors) {
+    KVQ_GMEM const uint4* chunks = (KVQ_GMEM const uint4*)factors;
+    KVQ_UNROLL for (uint c = 0; c < KVQ_D / 4; ++c) {
+        uint4 chunk = chunks[c];
+        y[4 * c] *= kvq_bits_float(chunk.x);
+        y[4 * c + 1] *= kvq_bits_float(chunk.y);
+        y[4 * c + 2] *= kvq_bits_float(chunk.z);
+        y[4 * c + 3] *= kvq_bits_float(chunk.w);
+    }
+}
+
 #define KVQ_IN_CHUNKS (KVQ_D / (4 * KVQ_IN_PER_WORD))    // 16-byte chunks of an input row
 #define KVQ_OUT_CHUNKS (KVQ_D / (4 * KVQ_OUT_PER_WORD))  // and of an output row
 
@@ -219,16 +231,7 @@ KVQ_DEVICE_FN void kvq_quantize_body(
         }
     }
     kvq_rotate_forward(y);
-    if (has_lam) {
-        KVQ_GMEM const uint4* lam_chunks = (KVQ_GMEM const uint4*)lam;
-        KVQ_UNROLL for (uint c = 0; c < KVQ_D / 4; ++c) {
-            uint4 chunk = lam_chunks[c];
-            y[4 * c] *= kvq_bits_float(chunk.x);
-            y[4 * c + 1] *= kvq_bits_float(chunk.y);
-            y[4 * c + 2] *= kvq_bits_float(chunk.z);
-            y[4 * c + 3] *= kvq_bits_float(chunk.w);
-        }
-    }
+    if (has_lam) kvq_scale_by(y, lam);
     float inverse[KVQ_GROUPS];
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
         float amax = 0.0f;
@@ -276,16 +279,7 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
         float scale = scales[(kvq_index)vec * KVQ_GROUPS + g];
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) y[i] *= scale;
     }
-    if (has_lam) {
-        KVQ_GMEM const uint4* lam_chunks = (KVQ_GMEM const uint4*)inverse_lam;
-        KVQ_UNROLL for (uint c = 0; c < KVQ_D / 4; ++c) {
-            uint4 chunk = lam_chunks[c];
-            y[4 * c] *= kvq_bits_float(chunk.x);
-            y[4 * c + 1] *= kvq_bits_float(chunk.y);
-            y[4 * c + 2] *= kvq_bits_float(chunk.z);
-            y[4 * c + 3] *= kvq_bits_float(chunk.w);
-        }
-    }
+    if (has_lam) kvq_scale_by(y, inverse_lam);
     kvq_rotate_inverse(y);
     KVQ_GMEM const uint4* flips = (KVQ_GMEM const uint4*)sign_words;
     KVQ_UNROLL for (uint c = 0; c < KVQ_OUT_CHUNKS; ++c) {
