@@ -269,7 +269,7 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
     KVQ_GMEM const float* inverse_lam, uint has_lam, KVQ_GMEM uint4* row, uint swizzle, uint vec) {
     float y[KVQ_D];
     KVQ_GMEM const uint* code_words = (KVQ_GMEM const uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
-    KVQ_UNROLL for (uint w = 0; w < KVQ_D / KVQ_CODES_PER_WORD; ++w) {
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) {
         uint word = code_words[w];
         KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
             y[w * KVQ_CODES_PER_WORD + e] = kvq_code_value((word >> (KVQ_BITS * e)) & ((1u << KVQ_BITS) - 1u));

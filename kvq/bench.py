@@ -240,9 +240,7 @@ def _decode_rows(model, factories: dict, prompt: torch.Tensor, new_tokens: int, 
     cache vary by 2x on a shared host) falls on all of them alike."""
     for make in factories.values():
         _generate_steps(model, make(), prompt, new_tokens)
-    steps = {label: [] for label in factories}
-    per_run = {label: [] for label in factories}
-    prefill = {label: [] for label in factories}
+    runs = {label: [] for label in factories}  # (seconds to the first token, step seconds) per run
     held = {}
     collecting = gc.isenabled()
     gc.disable()
@@ -250,15 +248,14 @@ def _decode_rows(model, factories: dict, prompt: torch.Tensor, new_tokens: int, 
         for _ in range(repeats):
             for label, make in factories.items():
                 held[label] = make()
-                first, run = _generate_steps(model, held[label], prompt, new_tokens)
-                steps[label] += run
-                per_run[label].append(statistics.median(run) * 1e3)
-                prefill[label].append(first)
+                runs[label].append(_generate_steps(model, held[label], prompt, new_tokens))
     finally:
         if collecting:
             gc.enable()
-    return [{"prompt": prompt.shape[-1], "cache": label, "ms_per_token": statistics.median(steps[label]) * 1e3,
-             "ms_per_token_runs": per_run[label], "prefill_s": statistics.median(prefill[label]),
+    return [{"prompt": prompt.shape[-1], "cache": label,
+             "ms_per_token": statistics.median(step for _, steps in runs[label] for step in steps) * 1e3,
+             "ms_per_token_runs": [statistics.median(steps) * 1e3 for _, steps in runs[label]],
+             "prefill_s": statistics.median(first for first, _ in runs[label]),
              "cache_bytes": _cache_bytes(held[label])} for label in factories]
 
 

@@ -224,11 +224,19 @@ class FusedLayer(WindowedLayer):
         self.keys, self.values = self.materialize()
         return self.keys, self.values
 
+    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact window's K and V: views made once per window length (slicing costs host time per
+        layer per step)."""
+        views = self.window_views.get(self.count)
+        if views is None:
+            views = self.window_views[self.count] = (self.raw["k"][..., :self.count, :],
+                                                     self.raw["v"][..., :self.count, :])
+        return views
+
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized prefix plus the exact window, for prefill and the steps fused attention skips."""
         out = []
-        for role in ("k", "v"):
-            window = self.raw[role][..., :self.count, :]
+        for role, window in zip(("k", "v"), self._window(), strict=True):
             store = self.stores[role]
             if store.length:
                 prefix = kernels.decode(self.quantizers[role], store.view().as_packed(window.dtype)).to(window.dtype)
@@ -238,12 +246,8 @@ class FusedLayer(WindowedLayer):
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
-        window = self.window_views.get(self.count)
-        if window is None:  # one pair of views per window length, made once (slicing costs host time per layer)
-            window = self.window_views[self.count] = (self.raw["k"][..., :self.count, :],
-                                                      self.raw["v"][..., :self.count, :])
         out = decode_attention(query.squeeze(-2), self.maps.query, self.stores["k"].view(), self.stores["v"].view(),
-                               *window, self.maps.output, scaling)
+                               *self._window(), self.maps.output, scaling)
         self.fused_steps += 1
         return out.unsqueeze(1)
 
