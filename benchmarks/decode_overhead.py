@@ -62,8 +62,9 @@ def main() -> None:
         "fp16 sdpa_attention_forward": lambda: sdpa_attention_forward(module, query, dynamic.layers[0].keys,
                                                                        dynamic.layers[0].values, None),
         "kvq FusedLayer.update (window write)": lambda: (layer.update(*token), setattr(layer, "count", 3)),
-        "kvq FusedLayer.attend": lambda: layer.attend(query, 128 ** -0.5),
-        "  decode_attention (3 Triton launches)": lambda: decode_attention.decode_attention(
+        "kvq FusedLayer.update (flush, 1 in 16 steps)": lambda: (setattr(layer, "count", 15), layer.update(*token)),
+        "kvq FusedLayer.attend (graph replay)": lambda: layer.attend(query, 128 ** -0.5),
+        "  decode_attention eager (3 Triton launches)": lambda: decode_attention.decode_attention(
             query.squeeze(-2), layer.maps.query, keys, values, window, window, layer.maps.output, 128 ** -0.5),
     }
     for name, fn in pieces.items():

@@ -25,7 +25,7 @@ from kvq import kernels
 from kvq.apply import QuantizerBank, attention_modules
 from kvq.attention import FUSED_ATTENTION, switch_attention
 from kvq.errors import KvqError
-from kvq.kernels.decode_attention import PackedKV, decode_attention
+from kvq.kernels.decode_attention import DecodeGraph, PackedKV
 from kvq.quant.base import Packed
 from kvq.quant.rotated import RotatedPacked, RotatedQuantizer
 
@@ -116,30 +116,33 @@ class PackedStore:
     GROWTH = 1.0625
     MIN_GROWTH = 64  # tokens: short caches do not reallocate at every flush
 
-    def __init__(self, bits: int, head_dim: int):
-        self.bits, self.head_dim = bits, head_dim
-        self.codes: torch.Tensor | None = None
-        self.scales: torch.Tensor | None = None
+    def __init__(self, quantizer: RotatedQuantizer, head_dim: int, lead_shape: tuple[int, ...],
+                 device: torch.device):
+        """lead_shape: (batch, heads). The buffers start empty, so a prompt shorter than the window
+        decodes from the window alone."""
+        self.bits, self.head_dim = quantizer.inner.bits, head_dim
+        groups, _ = quantizer.inner.grouping(head_dim)
+        self.codes = torch.empty(*lead_shape, 0, head_dim * self.bits // 8, dtype=torch.uint8, device=device)
+        self.scales = torch.empty(*lead_shape, 0, groups, dtype=torch.float32, device=device)
         self.length = 0
         self._view: PackedKV | None = None  # decode reads it every step; it changes only at an append
 
     @staticmethod
-    def _grown(buffer: torch.Tensor | None, like: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
+    def _grown(buffer: torch.Tensor, like: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
         grown = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])
-        if buffer is not None:
-            grown[..., :length, :] = buffer[..., :length, :]
+        grown[..., :length, :] = buffer[..., :length, :]
         return grown
 
     def append(self, packed: RotatedPacked) -> None:
         codes, scales = packed.inner.codes, packed.inner.scale.squeeze(-1)
         end = self.length + codes.shape[-2]
-        if self.codes is None or end > self.codes.shape[-2]:
-            held = 0 if self.codes is None else self.codes.shape[-2]
+        held = self.codes.shape[-2]
+        if end > held:
             capacity = end if not held else max(end, int(self.GROWTH * held), held + self.MIN_GROWTH)
             self.codes = self._grown(self.codes, codes, capacity, self.length)
             self.scales = self._grown(self.scales, scales, capacity, self.length)
-        self.codes[..., self.length:end, :] = codes
-        self.scales[..., self.length:end, :] = scales
+        self.codes.narrow(-2, self.length, end - self.length).copy_(codes)
+        self.scales.narrow(-2, self.length, end - self.length).copy_(scales)
         self.length = end
         self._view = None
 
@@ -180,44 +183,49 @@ class FusedLayer(WindowedLayer):
             reason = kernels.packing_reason(quantizer)
             if reason:
                 raise KvqError(reason)
-        d = bank.geometry.head_dim
-        self.stores = {role: PackedStore(q.inner.bits, d) for role, q in self.quantizers.items()}
+        self.stores: dict[str, PackedStore] = {}
         self.raw: dict[str, torch.Tensor] = {}
         self.window_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.count = 0
         self.maps: DomainMaps | None = None
+        self.decode_graph = DecodeGraph()
         self.deferred = False
         self.fused_steps = 0
 
     def lazy_initialization(self, key_states, value_states=None):
         super().lazy_initialization(key_states, value_states)
         self.maps = DomainMaps(self.quantizers["k"], self.quantizers["v"], key_states.device)
-        for role in ("k", "v"):
-            shape = (*key_states.shape[:-2], self.window, key_states.shape[-1])
-            self.raw[role] = key_states.new_empty(shape)
+        lead, d = key_states.shape[:-2], key_states.shape[-1]
+        for role, quantizer in self.quantizers.items():
+            self.stores[role] = PackedStore(quantizer, d, lead, key_states.device)
+            self.raw[role] = key_states.new_empty(*lead, self.window, d)
 
     def _write_window(self, role: str, start: int, states: torch.Tensor) -> None:
-        self.raw[role][..., start:start + states.shape[-2], :] = states
+        # narrow + copy_: a fraction of the host time of slice assignment, paid per layer per token
+        self.raw[role].narrow(-2, start, states.shape[-2]).copy_(states)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
         states = {"k": key_states, "v": value_states}
-        if self.count + new < self.window:
+        total = self.count + new
+        if total <= self.window:
+            # the common decode step, and the flush it fills: the window buffer is the pending chunk
             for role in ("k", "v"):
                 self._write_window(role, self.count, states[role])
-            self.count += new
+            pending = self.raw
         else:
             pending = {role: torch.cat([self.raw[role][..., :self.count, :], states[role]], dim=-2)
                        for role in ("k", "v")}
-            total = self.count + new
-            flush = total - total % self.window
+        flush = total - total % self.window
+        if flush:
             for role in ("k", "v"):
                 chunk = pending[role][..., :flush, :]
                 self.stores[role].append(kernels.metered_encode(self.quantizers[role], chunk))
-                self._write_window(role, 0, pending[role][..., flush:, :])
-            self.count = total - flush
+                if total > flush:
+                    self._write_window(role, 0, pending[role][..., flush:, :])
+        self.count = total - flush
         self.deferred = new == 1
         if self.deferred:
             return key_states, value_states
@@ -246,8 +254,8 @@ class FusedLayer(WindowedLayer):
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
-        out = decode_attention(query.squeeze(-2), self.maps.query, self.stores["k"].view(), self.stores["v"].view(),
-                               *self._window(), self.maps.output, scaling)
+        out = self.decode_graph(query.squeeze(-2), self.maps.query, self.stores["k"].view(), self.stores["v"].view(),
+                                *self._window(), self.maps.output, scaling)
         self.fused_steps += 1
         return out.unsqueeze(1)
 

@@ -14,4 +14,4 @@ def test_bench_decode_times_each_step_of_each_cache():
     for row in timed.values():
         assert len(row["ms_per_token_runs"]) == 2
         assert min(row["ms_per_token_runs"]) <= row["ms_per_token"] <= max(row["ms_per_token_runs"])
-        assert row["prefill_s"] > 0 and row["cache_bytes"] > 0
+        assert row["prefill_s"] > 0 and row["cache_bytes"] > 0 and row["ms_per_token_mean"] > 0

@@ -29,9 +29,11 @@ def reference_attention(query, keys, values, scale):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("spec", [QuantSpec("srft", 4, "per_group", 32), QuantSpec("srht", 8),
-                                  QuantSpec("int", 4, "per_token")])
-def test_fused_layer_attends_like_dequantized_reference(device, spec):
+@pytest.mark.parametrize("spec, prompt", [(QuantSpec("srft", 4, "per_group", 32), 37), (QuantSpec("srht", 8), 37),
+                                          (QuantSpec("int", 4, "per_token"), 37),
+                                          (QuantSpec("srft", 4, "per_group", 32), 5)])
+def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt):
+    """Twenty decode steps cross a window flush; a 5-token prompt starts with nothing packed."""
     d, kv_heads, q_heads = 128, 2, 8
     bank = QuantizerBank(spec, KVGeometry(1, kv_heads, d))
     bank.get(0, "k").lam = torch.rand(d) + 0.5  # a calibrated lambda must round-trip through the maps
@@ -41,21 +43,22 @@ def test_fused_layer_attends_like_dequantized_reference(device, spec):
     def states(tokens):
         return [torch.randn(1, kv_heads, tokens, d, generator=generator).to(device) for _ in range(2)]
 
-    k, v = states(37)
+    k, v = states(prompt)
     ref_k, ref_v = reference.update(k, v)
     fused_k, fused_v = fused.update(k, v)
-    assert not fused.deferred and fused.get_seq_length() == 37 == reference.get_seq_length()
+    assert not fused.deferred and fused.get_seq_length() == prompt == reference.get_seq_length()
     torch.testing.assert_close(fused_k, ref_k, atol=2e-5, rtol=0)
     torch.testing.assert_close(fused_v, ref_v, atol=2e-5, rtol=0)
     for step in range(20):
         k, v = states(1)
         ref_k, ref_v = reference.update(k, v)
         fused.update(k, v)
-        assert fused.deferred and fused.get_seq_length() == 38 + step
+        assert fused.deferred and fused.get_seq_length() == prompt + 1 + step
         query = torch.randn(1, q_heads, 1, d, generator=generator).to(device)
         expected = reference_attention(query, ref_k, ref_v, d ** -0.5)
         torch.testing.assert_close(fused.attend(query, d ** -0.5).float(), expected, atol=2e-3, rtol=0)
-    assert fused.stores["k"].length == 48 and fused.count == 9
+    total = prompt + 20
+    assert fused.stores["k"].length == total - total % 16 and fused.count == total % 16
 
 
 def test_fused_memory_counts_allocated_buffers():

@@ -22,7 +22,7 @@ def test_error_within_half_lsb(bits, granularity, symmetric):
     x = heavy_tailed(2, 3, 10, 64)
     packed = q.encode(x)
     err = (q.decode(packed) - x).abs()
-    groups, width = q._grouping(64)
+    groups, width = q.grouping(64)
     lsb = packed.scale.float().expand(2, 3, 10, groups, width).reshape(x.shape)
     if packed.channel_scale is not None:
         lsb = lsb * packed.channel_scale.float()

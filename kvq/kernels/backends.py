@@ -58,7 +58,7 @@ class CudaBackend(KernelBackend):
     name = "cuda"
 
     def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
-        kernel = _cuda_kernel(tuple(plan.defines().items()), in_dtype, out_dtype, name)
+        kernel = _cuda_kernel(plan.define_items, in_dtype, out_dtype, name)
         blocks = -(-n // THREADS_PER_GROUP)
         kernel(grid=(blocks, 1, 1), block=(THREADS_PER_GROUP, 1, 1), args=[*args, n])
 
@@ -72,7 +72,7 @@ class MetalBackend(KernelBackend):
     name = "metal"
 
     def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
-        library = _metal_library(tuple(plan.defines().items()), in_dtype, out_dtype)
+        library = _metal_library(plan.define_items, in_dtype, out_dtype)
         device = args[0].device
         as_buffers = [torch.tensor([a], dtype=torch.int32, device=device) if isinstance(a, int) else a
                       for a in [*args, n]]

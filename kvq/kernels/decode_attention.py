@@ -210,15 +210,20 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_packed", "n_window", "tokens_per_split", "n_packed_splits", "kv_heads",
                                    "capacity", "window_capacity"])
     def _partial_kernel(
-        q_ptr, qmap_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr,
+        q_ptr, qmap_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kw_ptr, vw_ptr, o_ptr, m_ptr, l_ptr, lengths_ptr,
         n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA: tl.constexpr, GQA_P: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
-        K_GROUPS: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+        K_GROUPS: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK: tl.constexpr, DEVICE_LENGTHS: tl.constexpr,
     ):
         """Codes and scales are (B, Hkv, capacity, .) buffers, windows (B, Hkv, window_capacity, d), all
         contiguous; q and q @ query_map (B, Hq, d); partials (B, Hq, splits, d) and (B, Hq, splits).
         Packed splits score q @ query_map against the codes; the last split scores q against the window,
-        whose exact values pass through the same grouped step with unit scales."""
+        whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
+        counts come from lengths_ptr (see device_lengths) instead of n_packed and n_window."""
+        if DEVICE_LENGTHS:
+            counts = tl.load(lengths_ptr)
+            n_packed = (counts >> 32).to(tl.int32)
+            n_window = (counts & 0xFFFFFFFF).to(tl.int32)
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         n_splits = tl.num_programs(1)
@@ -360,50 +365,124 @@ def _launch(kernel, grid: tuple, args: tuple, **constants) -> None:
     compiled[(*grid, 1, 1)[:3]](*args, *params)
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_workspaces: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
 def _workspace(batch: int, q_heads: int, n_splits: int, d: int, device: torch.device):
-    """Partial sums, maxima and normalizers, reused across calls and layers (kernels run in stream order)."""
+    """Mapped query, partial sums, maxima and normalizers, reused across calls, layers and captured
+    graphs (their kernels run in stream order)."""
     key = (batch, q_heads, n_splits, d, device)
     if key not in _workspaces:
         partial = torch.empty(batch, q_heads, n_splits, d, device=device, dtype=torch.float32)
         maxima = torch.empty(batch, q_heads, n_splits, device=device, dtype=torch.float32)
-        _workspaces[key] = (partial, maxima, torch.empty_like(maxima))
+        mapped_query = torch.empty(batch, q_heads, d, device=device, dtype=torch.float32)
+        _workspaces[key] = (mapped_query, partial, maxima, torch.empty_like(maxima))
     return _workspaces[key]
 
 
+def device_lengths(n_packed: int, n_window: int) -> int:
+    """Both token counts in one int64 (packed << 32 | window), so one fill updates them on the device."""
+    return n_packed << 32 | n_window
+
+
 def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values,
-                             output_map, scale):
+                             output_map, scale, lengths: torch.Tensor | None = None,
+                             out: torch.Tensor | None = None):
+    """With `lengths` (a one-element int64 CUDA tensor holding device_lengths(...)) the kernels read the
+    token counts from the device and split the buffers' whole capacity, so one launch sequence, captured
+    once, serves every length up to it (DecodeGraph); the views' own lengths are then ignored."""
     batch, q_heads, d = query.shape
-    dtype = query.dtype
     kv_heads = keys.codes.shape[1]
     n_packed, n_window = keys.codes.shape[2], window_keys.shape[2]
     query, output_map = query.contiguous(), output_map.float().contiguous()
-    mapped_query = torch.empty(batch, q_heads, d, device=query.device, dtype=torch.float32)
-    columns = min(d, MAP_COLUMNS)
-    _launch(_map_query_kernel, (batch * q_heads, d // columns), (query, query_map.float().contiguous(), mapped_query),
-            D=d, COLS=columns)
     capacity = _rows_buffer(keys.codes)
     if not (capacity == _rows_buffer(keys.scales) == _rows_buffer(values.codes) == _rows_buffer(values.scales)):
         raise ValueError("packed K and V codes and scales must share one row capacity")
     window_capacity = _rows_buffer(window_keys)
     if _rows_buffer(window_values) != window_capacity:
         raise ValueError("window K and V must share one row capacity")
-    packed_splits, per_split = _split_plan(n_packed, batch * kv_heads, query.device)
+    packed_splits, per_split = _split_plan(n_packed if lengths is None else capacity, batch * kv_heads,
+                                           query.device)
     n_splits = packed_splits + 1  # the last program takes the residual window
-    partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
+    mapped_query, partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
+    columns = min(d, MAP_COLUMNS)
+    _launch(_map_query_kernel, (batch * q_heads, d // columns), (query, query_map.float().contiguous(), mapped_query),
+            D=d, COLS=columns)
     gqa = q_heads // kv_heads
     _launch(_partial_kernel, (batch * kv_heads, n_splits), (
         query, mapped_query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial,
-        maxima, sums, n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, float(scale)),
+        maxima, sums, query if lengths is None else lengths,  # the lengths pointer is unread without lengths
+        n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, float(scale)),
         GQA=gqa, GQA_P=_padded_heads(gqa, keys.scales.shape[-1], values.scales.shape[-1]), HALF=d // 2,
         BITS=keys.bits, K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
-        num_warps=LAUNCH.num_warps, num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages)
-    out = torch.empty(batch, q_heads, d, device=query.device, dtype=dtype)
+        DEVICE_LENGTHS=lengths is not None, num_warps=LAUNCH.num_warps,
+        num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages)
+    if out is None:
+        out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
     _launch(_reduce_kernel, (batch * q_heads, d // columns), (partial, maxima, sums, output_map, out, n_splits), D=d,
             SPLITS=triton.next_power_of_2(n_splits), COLS=columns)
     return out
+
+
+class DecodeGraph:
+    """decode_attention for one cache layer, replayed as a CUDA graph.
+
+    A host-bound generate loop pays each eager call's host time per layer per token: three Triton
+    launches with their argument handling, ~250 us on the H100 host against ~60 us for an fp16 layer's
+    cat + SDPA (benchmarks/decode_overhead.py). A replay issues the same three kernels for the price of
+    one launch. The graph reads the token counts from a device tensor and spans the buffers' capacity,
+    so it is captured again only when a buffer, the maps, the scale or the query's shape change (a
+    packed store grows every ~6% of its length). The returned tensor is the graph's output buffer:
+    valid until the next call.
+    """
+
+    def __init__(self):
+        self.signature: tuple | None = None
+        self.graph = None
+        self.query = self.out = self.lengths = None
+        self.written_lengths: int | None = None
+
+    def __call__(self, query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values, output_map,
+                 scale: float) -> torch.Tensor:
+        arguments = (query, query_map, keys, values, window_keys, window_values, output_map, scale)
+        if not supported(keys, values, query.shape[1]):
+            return decode_attention(*arguments)
+        signature = (query.shape, query.dtype, float(scale), *(t.data_ptr() for t in (
+            query_map, output_map, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values)),
+            keys.codes.stride(1), window_keys.stride(1))
+        counts = device_lengths(keys.codes.shape[2], window_keys.shape[2])
+        if signature != self.signature:
+            self._capture(arguments, counts)
+            self.signature = signature
+        elif counts != self.written_lengths:
+            self.lengths.fill_(counts)
+        self.written_lengths = counts
+        self.query.copy_(query)
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, arguments: tuple, counts: int) -> None:
+        query = arguments[0]
+        self.graph = None  # frees the old graph before the new one is instantiated
+        self.query = torch.empty_like(query)
+        self.out = torch.empty_like(query)
+        self.lengths = torch.full((1,), counts, dtype=torch.int64, device=query.device)
+        self.query.copy_(query)
+
+        def run():
+            _decode_attention_triton(self.query, *arguments[1:], lengths=self.lengths, out=self.out)
+
+        run()  # compiles the kernels and allocates the workspace outside the capture
+        # torch.cuda.graph() would also synchronize, collect garbage and empty the allocator's cache at
+        # every capture; a side stream that waits on this one is all a capture needs.
+        graph, stream, current = torch.cuda.CUDAGraph(), torch.cuda.Stream(query.device), torch.cuda.current_stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            run()
+            graph.capture_end()
+        current.wait_stream(stream)
+        self.graph = graph
 
 
 def packed_read_bytes(batch: int, kv_heads: int, tokens: int, d: int, bits: int, group: int) -> int:

@@ -61,7 +61,7 @@ class ScalarQuantizer(Quantizer):
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1 if self.symmetric else (1 << self.bits) - 1
 
-    def _grouping(self, d: int) -> tuple[int, int]:
+    def grouping(self, d: int) -> tuple[int, int]:
         """(groups, group width) of the view (..., T, groups, width) whose last dim the stats reduce."""
         if self.granularity == "per_token":
             return 1, d
@@ -85,7 +85,7 @@ class ScalarQuantizer(Quantizer):
         """
         if x.dim() < 2:
             raise KvqError(f"expected (..., tokens, d), got shape {tuple(x.shape)}")
-        groups, width = self._grouping(x.shape[-1])
+        groups, width = self.grouping(x.shape[-1])
         xf = x.float()
         channel_scale = None
         if self.granularity == "per_channel_group":
@@ -128,7 +128,7 @@ class ScalarQuantizer(Quantizer):
 
     def decode(self, packed: ScalarPacked) -> torch.Tensor:
         d = packed.shape[-1]
-        groups, width = self._grouping(d)
+        groups, width = self.grouping(d)
         codes = unpack(packed.codes, self.bits, d, signed=self.symmetric).float()
         codes = codes.reshape(*packed.shape[:-1], groups, width)
         x = self._dequantize(codes, packed.scale, packed.offset, packed.channel_scale, packed.shape)
@@ -141,7 +141,7 @@ class ScalarQuantizer(Quantizer):
         return self._dequantize(codes, scale, offset, channel_scale, x.shape)
 
     def bits_per_element(self, d: int, n_tokens: int) -> float:
-        _, width = self._grouping(d)
+        _, width = self.grouping(d)
         scale_bits = torch.finfo(self.scale_dtype).bits
         stats_per_scale = 1 if self.symmetric else 2
         payload = packed_row_bytes(d, self.bits) * 8 / d
