@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.cache import QuantizedKVCache
 from kvq.kernels import decode_attention
+from kvq.kernels.decode_attention import DecodeGraph
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -64,6 +65,8 @@ def main() -> None:
         "kvq FusedLayer.update (window write)": lambda: (layer.update(*token), setattr(layer, "count", 3)),
         "kvq FusedLayer.update (flush, 1 in 16 steps)": lambda: (setattr(layer, "count", 15), layer.update(*token)),
         "kvq FusedLayer.attend (graph replay)": lambda: layer.attend(query, 128 ** -0.5),
+        "kvq FusedLayer.attend (capture: 1st step, growth)": lambda: (setattr(layer, "decode_graph", DecodeGraph()),
+                                                                    layer.attend(query, 128 ** -0.5)),
         "  decode_attention eager (3 Triton launches)": lambda: decode_attention.decode_attention(
             query.squeeze(-2), layer.maps.query, keys, values, window, window, layer.maps.output, 128 ** -0.5),
     }

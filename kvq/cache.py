@@ -186,6 +186,7 @@ class FusedLayer(WindowedLayer):
         self.stores: dict[str, PackedStore] = {}
         self.raw: dict[str, torch.Tensor] = {}
         self.window_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.slots: list[list[torch.Tensor]] = []  # per window row: its (K, V) views
         self.count = 0
         self.maps: DomainMaps | None = None
         self.decode_graph = DecodeGraph()
@@ -199,32 +200,33 @@ class FusedLayer(WindowedLayer):
         for role, quantizer in self.quantizers.items():
             self.stores[role] = PackedStore(quantizer, d, lead, key_states.device)
             self.raw[role] = key_states.new_empty(*lead, self.window, d)
+        self.slots = [[self.raw[role].narrow(-2, row, 1) for role in ("k", "v")] for row in range(self.window)]
 
-    def _write_window(self, role: str, start: int, states: torch.Tensor) -> None:
-        # narrow + copy_: a fraction of the host time of slice assignment, paid per layer per token
-        self.raw[role].narrow(-2, start, states.shape[-2]).copy_(states)
+    def _write_window(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Window rows [start, start + n) of K and V in one dispatch, through views made once for the
+        one-token writes of decode steps: this is host time per layer per token."""
+        n = keys.shape[-2]
+        targets = self.slots[start] if n == 1 else [self.raw[role].narrow(-2, start, n) for role in ("k", "v")]
+        torch._foreach_copy_(targets, [keys, values])
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
-        states = {"k": key_states, "v": value_states}
         total = self.count + new
         if total <= self.window:
             # the common decode step, and the flush it fills: the window buffer is the pending chunk
-            for role in ("k", "v"):
-                self._write_window(role, self.count, states[role])
+            self._write_window(self.count, key_states, value_states)
             pending = self.raw
         else:
-            pending = {role: torch.cat([self.raw[role][..., :self.count, :], states[role]], dim=-2)
-                       for role in ("k", "v")}
+            pending = {role: torch.cat([self.raw[role][..., :self.count, :], states], dim=-2)
+                       for role, states in (("k", key_states), ("v", value_states))}
         flush = total - total % self.window
         if flush:
             for role in ("k", "v"):
-                chunk = pending[role][..., :flush, :]
-                self.stores[role].append(kernels.metered_encode(self.quantizers[role], chunk))
-                if total > flush:
-                    self._write_window(role, 0, pending[role][..., flush:, :])
+                self.stores[role].append(kernels.metered_encode(self.quantizers[role], pending[role][..., :flush, :]))
+            if total > flush:
+                self._write_window(0, pending["k"][..., flush:, :], pending["v"][..., flush:, :])
         self.count = total - flush
         self.deferred = new == 1
         if self.deferred:

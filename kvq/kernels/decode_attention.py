@@ -439,22 +439,25 @@ class DecodeGraph:
     def __init__(self):
         self.signature: tuple | None = None
         self.graph = None
+        self.fused = False
         self.query = self.out = self.lengths = None
         self.written_lengths: int | None = None
 
     def __call__(self, query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values, output_map,
                  scale: float) -> torch.Tensor:
         arguments = (query, query_map, keys, values, window_keys, window_values, output_map, scale)
-        if not supported(keys, values, query.shape[1]):
-            return decode_attention(*arguments)
-        signature = (query.shape, query.dtype, float(scale), *(t.data_ptr() for t in (
+        signature = (query.shape, query.dtype, query.device, float(scale), *(t.data_ptr() for t in (
             query_map, output_map, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values)),
             keys.codes.stride(1), window_keys.stride(1))
         counts = device_lengths(keys.codes.shape[2], window_keys.shape[2])
         if signature != self.signature:
-            self._capture(arguments, counts)
             self.signature = signature
-        elif counts != self.written_lengths:
+            self.fused = supported(keys, values, query.shape[1])
+            if self.fused:
+                self._capture(arguments, counts)
+        if not self.fused:
+            return decode_attention(*arguments)
+        if counts != self.written_lengths:
             self.lengths.fill_(counts)
         self.written_lengths = counts
         self.query.copy_(query)
@@ -467,6 +470,7 @@ class DecodeGraph:
         self.query = torch.empty_like(query)
         self.out = torch.empty_like(query)
         self.lengths = torch.full((1,), counts, dtype=torch.int64, device=query.device)
+        self.written_lengths = counts
         self.query.copy_(query)
 
         def run():
