@@ -252,16 +252,21 @@ def _decode_rows(model, factories: dict, prompt: torch.Tensor, new_tokens: int, 
     finally:
         if collecting:
             gc.enable()
+    run_medians = {label: [statistics.median(steps) * 1e3 for _, steps in runs[label]] for label in factories}
+    baseline = run_medians[next(iter(factories))]
     return [{"prompt": prompt.shape[-1], "cache": label,
              "ms_per_token": statistics.median(step for _, steps in runs[label] for step in steps) * 1e3,
              "ms_per_token_mean": statistics.mean(step for _, steps in runs[label] for step in steps) * 1e3,
-             "ms_per_token_runs": [statistics.median(steps) * 1e3 for _, steps in runs[label]],
+             "ms_per_token_runs": run_medians[label],
+             # runs of one repeat are adjacent in time, so their ratio cancels most of the host's drift
+             "paired_ratio_to_first": statistics.median(a / b for a, b in zip(run_medians[label], baseline,
+                                                                               strict=True)),
              "prefill_s": statistics.median(first for first, _ in runs[label]),
              "cache_bytes": _cache_bytes(held[label])} for label in factories]
 
 
 def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32, config=None,
-                 repeats: int = 5) -> dict:
+                 repeats: int = 9) -> dict:
     """HF generate ms/token per cache at each prompt length (see _decode_rows)."""
     from transformers import DynamicCache, LlamaForCausalLM
 
@@ -330,9 +335,10 @@ def decode_table(result: dict) -> str:
     rows = []
     for r in result["rows"]:
         if "skipped" in r:
-            rows.append([str(r["prompt"]), r["cache"], "skipped: " + r["skipped"], "-", "-", "-"])
+            rows.append([str(r["prompt"]), r["cache"], "skipped: " + r["skipped"], "-", "-", "-", "-"])
             continue
         memory = r["cache_bytes"] / 2**20 if r["cache_bytes"] is not None else None
         rows.append([str(r["prompt"]), r["cache"], _fmt(r["ms_per_token"], 2), _fmt(r["ms_per_token_mean"], 2),
-                     _fmt(r["prefill_s"], 2), _fmt(memory)])
-    return markdown_table(["prompt", "cache", "ms/token (median)", "ms/token (mean)", "prefill s", "cache MiB"], rows)
+                     _fmt(r["paired_ratio_to_first"], 3), _fmt(r["prefill_s"], 2), _fmt(memory)])
+    return markdown_table(["prompt", "cache", "ms/token (median)", "ms/token (mean)",
+                           "time vs fp16, paired runs (median)", "prefill s", "cache MiB"], rows)

@@ -318,6 +318,7 @@ def bench_kernels(
 def bench_decode(
     prompts: str = typer.Option("1024,8192,32768", help="prompt lengths"),
     new_tokens: int = typer.Option(32),
+    repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
     out: Path = typer.Option(Path("runs/bench")),
     results: Path = typer.Option(Path("RESULTS.md")),
     device: str = device_option(),
@@ -327,7 +328,9 @@ def bench_decode(
 
     if new_tokens < 2:
         raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
-    result = bench.bench_decode(device, tuple(int(x) for x in _floats(prompts)), new_tokens)
+    if repeats < 1:
+        raise KvqError(f"--repeats must be at least 1, got {repeats}")
+    result = bench.bench_decode(device, tuple(int(x) for x in _floats(prompts)), new_tokens, repeats=repeats)
     _record_bench("decode", result, bench.decode_table(result), device, out, results)
 
 

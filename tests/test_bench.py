@@ -15,3 +15,7 @@ def test_bench_decode_times_each_step_of_each_cache():
         assert len(row["ms_per_token_runs"]) == 2
         assert min(row["ms_per_token_runs"]) <= row["ms_per_token"] <= max(row["ms_per_token_runs"])
         assert row["prefill_s"] > 0 and row["cache_bytes"] > 0 and row["ms_per_token_mean"] > 0
+    ratios = [a / b for a, b in zip(timed["kvq fused int4 g32"]["ms_per_token_runs"],
+                                    timed["fp16 DynamicCache"]["ms_per_token_runs"], strict=True)]
+    assert timed["fp16 DynamicCache"]["paired_ratio_to_first"] == 1.0
+    assert min(ratios) <= timed["kvq fused int4 g32"]["paired_ratio_to_first"] <= max(ratios)

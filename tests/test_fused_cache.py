@@ -11,7 +11,7 @@ from conftest import DEVICES
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
-from kvq.cache import FusedLayer, QuantizedKVCache, QuantizedLayer, fused_decoding
+from kvq.cache import FusedLayer, PackedStore, QuantizedKVCache, QuantizedLayer, fused_decoding
 from kvq.errors import KvqError
 from kvq.kernels import packing_reason
 from kvq.quant import QuantSpec
@@ -65,8 +65,8 @@ def test_fused_memory_counts_allocated_buffers():
     bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), KVGeometry(1, 2, 128))
     layer = FusedLayer(bank, 0, 16)
     layer.update(torch.randn(1, 2, 1030, 128).half(), torch.randn(1, 2, 1030, 128).half())
-    # codes 64 B + 4 fp32 scales per token for 1024 packed tokens; the window holds 16 fp16 tokens
-    per_role = 2 * (1024 * (64 + 16) + 16 * 128 * 2)
+    # codes 64 B + 4 fp32 scales per token for 1024 packed tokens and 64 spare; the window holds 16 fp16 tokens
+    per_role = 2 * ((1024 + PackedStore.MIN_GROWTH) * (64 + 16) + 16 * 128 * 2)
     assert layer.persistent_bytes() == 2 * per_role
 
 
