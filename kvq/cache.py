@@ -128,7 +128,7 @@ class PackedStore:
         self.codes = torch.empty(*lead_shape, 0, head_dim * self.bits // 8, dtype=torch.uint8, device=device)
         self.scales = torch.empty(*lead_shape, 0, groups, dtype=torch.float32, device=device)
         self.length = 0
-        self._view: PackedKV | None = None  # decode reads it every step; it changes only at an append
+        self.buffers = PackedKV(self.codes, self.scales, self.bits, head_dim)  # whole capacity, for decode graphs
 
     @staticmethod
     def _grown(buffer: torch.Tensor, like: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
@@ -144,16 +144,13 @@ class PackedStore:
             capacity = end + self.MIN_GROWTH if not held else max(end, int(self.GROWTH * held), held + self.MIN_GROWTH)
             self.codes = self._grown(self.codes, codes, capacity, self.length)
             self.scales = self._grown(self.scales, scales, capacity, self.length)
+            self.buffers = PackedKV(self.codes, self.scales, self.bits, self.head_dim)
         self.codes.narrow(-2, self.length, end - self.length).copy_(codes)
         self.scales.narrow(-2, self.length, end - self.length).copy_(scales)
         self.length = end
-        self._view = None
 
     def view(self) -> PackedKV:
-        if self._view is None:
-            self._view = PackedKV(self.codes[..., :self.length, :], self.scales[..., :self.length, :], self.bits,
-                                  self.head_dim)
-        return self._view
+        return self.buffers.rows(self.length)
 
     def held_bytes(self) -> int:
         return held_bytes((self.codes, self.scales))
@@ -188,7 +185,6 @@ class FusedLayer(WindowedLayer):
                 raise KvqError(reason)
         self.stores: dict[str, PackedStore] = {}
         self.raw: dict[str, torch.Tensor] = {}
-        self.window_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.slots: list[list[torch.Tensor]] = []  # per window row: its (K, V) views
         self.count = 0
         self.maps: DomainMaps | None = None
@@ -237,20 +233,11 @@ class FusedLayer(WindowedLayer):
         self.keys, self.values = self.materialize()
         return self.keys, self.values
 
-    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exact window's K and V: views made once per window length (slicing costs host time per
-        layer per step)."""
-        views = self.window_views.get(self.count)
-        if views is None:
-            views = self.window_views[self.count] = (self.raw["k"][..., :self.count, :],
-                                                     self.raw["v"][..., :self.count, :])
-        return views
-
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized prefix plus the exact window, for prefill and the steps fused attention skips."""
         out = []
-        for role, window in zip(("k", "v"), self._window(), strict=True):
-            store = self.stores[role]
+        for role, store in self.stores.items():
+            window = self.raw[role][..., :self.count, :]
             if store.length:
                 prefix = kernels.decode(self.quantizers[role], store.view().as_packed(window.dtype)).to(window.dtype)
                 window = torch.cat([prefix, window], dim=-2)
@@ -259,8 +246,9 @@ class FusedLayer(WindowedLayer):
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
-        out = self.decode_graph(query.squeeze(-2), self.maps.query, self.stores["k"].view(), self.stores["v"].view(),
-                                *self._window(), self.maps.output, scaling)
+        keys, values = self.stores["k"], self.stores["v"]
+        out = self.decode_graph(query.squeeze(-2), self.maps.query, keys.buffers, values.buffers, self.raw["k"],
+                                self.raw["v"], self.maps.output, scaling, keys.length, self.count)
         self.fused_steps += 1
         return out.unsqueeze(1)
 

@@ -59,6 +59,9 @@ def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt):
         torch.testing.assert_close(fused.attend(query, d ** -0.5).float(), expected, atol=2e-3, rtol=0)
     total = prompt + 20
     assert fused.stores["k"].length == total - total % 16 and fused.count == total % 16
+    # flushes reuse the decode graph: only a reallocated buffer needs a new one, here the first
+    # allocation after a prompt that left nothing packed (the prefill's buffers keep spare rows)
+    assert fused.decode_graph.captures == ((1 + (prompt < 16)) if device == "cuda" else 0)
 
 
 def test_fused_memory_counts_allocated_buffers():

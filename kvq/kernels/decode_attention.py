@@ -65,6 +65,10 @@ class PackedKV:
     bits: int
     head_dim: int
 
+    def rows(self, n: int) -> "PackedKV":
+        """The first n tokens."""
+        return PackedKV(self.codes[..., :n, :], self.scales[..., :n, :], self.bits, self.head_dim)
+
     @property
     def group(self) -> int:
         return self.head_dim // self.scales.shape[-1]
@@ -430,33 +434,38 @@ class DecodeGraph:
     A host-bound generate loop pays each eager call's host time per layer per token: three Triton
     launches with their argument handling, ~250 us on the H100 host against ~60 us for an fp16 layer's
     cat + SDPA (benchmarks/decode_overhead.py). A replay issues the same three kernels for the price of
-    one launch. The graph reads the token counts from a device tensor and spans the buffers' capacity,
-    so it is captured again only when a buffer, the maps, the scale or the query's shape change (a
-    packed store grows every ~6% of its length). The returned tensor is the graph's output buffer:
-    valid until the next call.
+    one launch. It takes whole buffers and the token counts, which the kernels read from a device
+    tensor, so the graph is captured again only when a buffer, the maps, the scale or the query's
+    shape change (a packed store grows every ~6% of its length). The returned tensor is the graph's
+    output buffer: valid until the next call.
     """
 
     def __init__(self):
         self.signature: tuple | None = None
         self.graph = None
         self.fused = False
+        self.captures = 0
         self.query = self.out = self.lengths = None
         self.written_lengths: int | None = None
 
     def __call__(self, query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values, output_map,
-                 scale: float) -> torch.Tensor:
+                 scale: float, n_packed: int, n_window: int) -> torch.Tensor:
+        """decode_attention over the first n_packed rows of the packed buffers `keys`, `values` and the
+        first n_window rows of the window buffers."""
         arguments = (query, query_map, keys, values, window_keys, window_values, output_map, scale)
+        # buffers, not views: an empty view's data pointer differs from its buffer's
         signature = (query.shape, query.dtype, query.device, float(scale), *(t.data_ptr() for t in (
             query_map, output_map, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values)),
-            keys.codes.stride(1), window_keys.stride(1))
-        counts = device_lengths(keys.codes.shape[2], window_keys.shape[2])
+            keys.codes.shape, window_keys.shape)
+        counts = device_lengths(n_packed, n_window)
         if signature != self.signature:
             self.signature = signature
             self.fused = supported(keys, values, query.shape[1])
             if self.fused:
                 self._capture(arguments, counts)
         if not self.fused:
-            return decode_attention(*arguments)
+            return decode_attention(query, query_map, keys.rows(n_packed), values.rows(n_packed),
+                                    window_keys[..., :n_window, :], window_values[..., :n_window, :], output_map, scale)
         if counts != self.written_lengths:
             self.lengths.fill_(counts)
         self.written_lengths = counts
@@ -466,6 +475,7 @@ class DecodeGraph:
 
     def _capture(self, arguments: tuple, counts: int) -> None:
         query = arguments[0]
+        self.captures += 1
         self.graph = None  # frees the old graph before the new one is instantiated
         self.query = torch.empty_like(query)
         self.out = torch.empty_like(query)
