@@ -489,7 +489,8 @@ class DecodeGraph:
         run()  # compiles the kernels and allocates the workspace outside the capture
         # torch.cuda.graph() would also synchronize, collect garbage and empty the allocator's cache at
         # every capture; a side stream that waits on this one is all a capture needs.
-        graph, stream, current = torch.cuda.CUDAGraph(), torch.cuda.Stream(query.device), torch.cuda.current_stream()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(query.device)
+        current = torch.cuda.current_stream(query.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             graph.capture_begin(capture_error_mode="thread_local")

@@ -1,5 +1,5 @@
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -9,12 +9,10 @@ class Packed:
     """Base for packed representations: every tensor field is real storage and counts towards bits."""
 
     def storage_bits(self) -> int:
-        total = 0
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size() * 8
-        return total
+        # the instance dict holds exactly the fields, at a fraction of dataclasses.fields' cost (the
+        # fused cache meters every flush of every layer)
+        return sum(value.numel() * value.element_size() * 8 for value in vars(self).values()
+                   if isinstance(value, torch.Tensor))
 
 
 class Quantizer(ABC):
