@@ -432,12 +432,12 @@ class DecodeGraph:
     """decode_attention for one cache layer, replayed as a CUDA graph.
 
     A host-bound generate loop pays each eager call's host time per layer per token: three Triton
-    launches with their argument handling, ~250 us on the H100 host against ~60 us for an fp16 layer's
-    cat + SDPA (benchmarks/decode_overhead.py). A replay issues the same three kernels for the price of
-    one launch. It takes whole buffers and the token counts, which the kernels read from a device
-    tensor, so the graph is captured again only when a buffer, the maps, the scale or the query's
-    shape change (a packed store grows every ~6% of its length). The returned tensor is the graph's
-    output buffer: valid until the next call.
+    launches with their argument handling, 70-130 us on the H100 host, where an fp16 layer's cat +
+    SDPA takes 40-70 us and a replay of the same three kernels 16-33 us (benchmarks/decode_overhead.py,
+    RESULTS.md item 17; the host's speed drifts between runs). It takes whole buffers and the token
+    counts, which the kernels read from a device tensor, so the graph is captured again only when a
+    buffer, the maps, the scale or the query's shape change (a packed store grows every ~6% of its
+    length). The returned tensor is the graph's output buffer: valid until the next call.
     """
 
     def __init__(self):
