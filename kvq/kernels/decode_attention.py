@@ -464,11 +464,12 @@ class DecodeGraph:
             if self.fused:
                 self._capture(arguments, counts)
         if not self.fused:
-            return decode_attention(query, query_map, keys.rows(n_packed), values.rows(n_packed),
-                                    window_keys[..., :n_window, :], window_values[..., :n_window, :], output_map, scale)
+            return decode_attention_reference(query, query_map, keys.rows(n_packed), values.rows(n_packed),
+                                              window_keys[..., :n_window, :], window_values[..., :n_window, :],
+                                              output_map, scale)
         if counts != self.written_lengths:
             self.lengths.fill_(counts)
-        self.written_lengths = counts
+            self.written_lengths = counts
         self.query.copy_(query)
         self.graph.replay()
         return self.out
