@@ -1,8 +1,8 @@
 """Fused int4/int8 decode attention (query length 1) over a packed, rotated KV cache.
 
 Open-TQ-Metal Alg. 1 with FlashDecoding's split-K (Sec. 3.2, Eq. 5): each program reads packed K/V
-codes and their scales directly, turns the codes into exact fp16 integers in registers (a magic-number
-conversion, two nibbles per instruction pair), keeps an online softmax over its slice of the sequence
+codes and their scales directly, turns the codes into fp16 integers in registers (a magic-number
+conversion whose key biases the query takes out), keeps an online softmax over its slice of the sequence
 and writes a partial (o_c, m_c, l_c); a reduce pass combines the partials. One program serves all
 query heads of a KV head (GQA), so every KV byte is read once. Scales never multiply the codes: the
 query's rows are laid out once per scale group (see _online_softmax_step), so each group's share of
@@ -15,6 +15,9 @@ sum_i p_i v_i = (sum_i p_i y_v,i) output_map. The wrapper maps the query once (a
 every program it cost more GPU time than it saved host time); the packed splits accumulate in the
 value domain and the residual-window split (exact tokens) in the model's, and the reduce pass maps the
 packed sum back before adding the window's, so the window needs no per-step rotation.
+
+The step's three kernels (map, partials, reduce) are launched programmatically dependent on Hopper, so
+each one's launch overlaps the kernel before it (_await_previous_kernel).
 
 `decode_attention` dispatches to Triton on CUDA and to `decode_attention_reference` (dequantize to the
 model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
@@ -45,12 +48,15 @@ MAP_COLUMNS = 32  # output columns per program of the query map and the reduce: 
 @dataclass
 class LaunchConfig:
     """Tile and pipelining choices. Defaults: benchmarks/attention_configs.py's sweep on an H100 at 32K
-    and 128K tokens (Llama-3-8B shapes, int4 g32): within 1 us of the fastest at both."""
+    and 128K tokens (Llama-3-8B shapes, int4 g32): within 1 us of the fastest at both. The sequence is
+    split into as many programs as the SMs hold at once (waves=None; from the compiled kernel's registers
+    and shared memory): one wave more or fewer than fit cost 15-40% there (RESULTS.md item 18)."""
 
     block: int = 64
     num_warps: int = 2
     num_stages: int = 3
-    waves: int = 4  # programs per SM to aim for when splitting the sequence
+    waves: int | None = None  # programs per SM to aim for when splitting the sequence; None: as many as fit
+    programmatic: bool = True  # programmatic dependent launch where the device has it
 
 
 LAUNCH = LaunchConfig()
@@ -111,38 +117,54 @@ def decode_attention(query, query_map, keys: PackedKV, values: PackedKV, window_
 
 if triton is not None:
 
-    # Two's-complement nibbles to exact fp16 integers, 8 values per 12 instructions: place each nibble in
-    # an fp16 mantissa under exponent 1024 while flipping its sign bit ((n & 0xF) ^ 8 = n + 8), then
-    # subtract 1032 (0x6408) from both halves at once. Outputs: low nibbles, then high nibbles, of 4 bytes.
-    _NIBBLES_TO_F16 = tl.constexpr("""
+    # Two's-complement nibbles to fp16 integers: spread 4 bytes over 16-bit lanes, then place each nibble
+    # under exponent 1024 while flipping its sign bit ((n & 0xF) ^ 8 = n + 8), a low nibble in mantissa
+    # bits 0-3 (1024 + n + 8), a high one in bits 4-7 (1024 + 16 (n + 8)). Outputs: low nibbles, then
+    # high nibbles, of the 4 bytes. _BIASED_NIBBLES stops there, 8 values per 6 instructions, for keys,
+    # whose query takes the biases out (see _query_bias); _EXACT_NIBBLES also subtracts them, 8 values per
+    # 10 instructions, for values, whose accumulators would otherwise carry the biases across a whole
+    # split (the tensor cores' float32 sums truncate: 5e-4 max abs error at 8K tokens in the GPU test).
+    _BIASED_NIBBLES = """
     {
-    .reg .b32 lo, hi, bias;
+    .reg .b32 lo, hi;
     prmt.b32 lo, $4, 0, 0x4140;
     prmt.b32 hi, $4, 0, 0x4342;
-    mov.b32 bias, 0x64086408;
     lop3.b32 $0, lo, 0x000F000F, 0x64086408, 0x6a;
     lop3.b32 $1, hi, 0x000F000F, 0x64086408, 0x6a;
-    shr.u32 lo, lo, 4;
-    shr.u32 hi, hi, 4;
-    lop3.b32 $2, lo, 0x000F000F, 0x64086408, 0x6a;
-    lop3.b32 $3, hi, 0x000F000F, 0x64086408, 0x6a;
-    sub.f16x2 $0, $0, bias;
-    sub.f16x2 $1, $1, bias;
-    sub.f16x2 $2, $2, bias;
-    sub.f16x2 $3, $3, bias;
-    }
-    """)
+    lop3.b32 $2, lo, 0x00F000F0, 0x64806480, 0x6a;
+    lop3.b32 $3, hi, 0x00F000F0, 0x64806480, 0x6a;
+    """
+    _BIASED_NIBBLES_TO_F16 = tl.constexpr(_BIASED_NIBBLES + "}")
+    _EXACT_NIBBLES_TO_F16 = tl.constexpr(_BIASED_NIBBLES + """
+    .reg .b32 low_bias, high_step, high_bias;
+    mov.b32 low_bias, 0x64086408;
+    mov.b32 high_step, 0x2c002c00;
+    mov.b32 high_bias, 0xd480d480;
+    sub.f16x2 $0, $0, low_bias;
+    sub.f16x2 $1, $1, low_bias;
+    fma.rn.f16x2 $2, $2, high_step, high_bias;
+    fma.rn.f16x2 $3, $3, high_step, high_bias;
+    }""")  # 1032 + n - 1032; (1152 + 16 n) / 16 - 72
+    LOW_BIAS = tl.constexpr(1032.0)  # a biased low nibble n reads 1032 + n
+    HIGH_BIAS = tl.constexpr(1152.0)  # a biased high nibble n reads 1152 + 16 n
+    HIGH_STEP = tl.constexpr(16.0)
+    WINDOW_BLOCK = tl.constexpr(MIN_DOT)  # residual windows are ~16 tokens
 
     @triton.jit
-    def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr):
-        """Even and odd coordinates of a (BLOCK, d) tile of codes as exact fp16 integers (codes_ptr: this
-        head's rows of HALF * BITS // 4 bytes)."""
+    def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, VALUES: tl.constexpr):
+        """Even and odd coordinates of a (BLOCK, d) tile of codes as fp16 integers (codes_ptr: this head's
+        rows of HALF * BITS // 4 bytes); int4 keys come biased (_BIASED_NIBBLES_TO_F16). For values the
+        conversion is marked impure, which pins it where it is written: Triton otherwise moves the tile's
+        layout change ahead of it, to shift bytes rather than halves, and as V's products run over tokens
+        that gathers the bytes one at a time from shared memory (a quarter more instructions per tile in
+        the H100 build)."""
         pairs = tl.arange(0, HALF)
         row_bytes: tl.constexpr = HALF * BITS // 4
         if BITS == 4:
             byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + pairs[None, :], mask=valid[:, None], other=0)
-            even, odd = tl.inline_asm_elementwise(_NIBBLES_TO_F16, "=r,=r,=r,=r,r", [byte],
-                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            even, odd = tl.inline_asm_elementwise(_EXACT_NIBBLES_TO_F16 if VALUES else _BIASED_NIBBLES_TO_F16,
+                                                  "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
+                                                  is_pure=not VALUES, pack=4)
         else:
             at = codes_ptr + tokens[:, None] * row_bytes + 2 * pairs[None, :]
             even = tl.load(at, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float16)
@@ -157,9 +179,11 @@ if triton is not None:
 
     @triton.jit
     def _load_window(ptr, tokens, valid, HALF: tl.constexpr):
-        pairs = tl.arange(0, HALF)
-        even = tl.load(ptr + tokens[:, None] * (2 * HALF) + 2 * pairs[None, :], mask=valid[:, None], other=0.0)
-        odd = tl.load(ptr + tokens[:, None] * (2 * HALF) + 2 * pairs[None, :] + 1, mask=valid[:, None], other=0.0)
+        """Even and odd coordinates of a (BLOCK, d) tile of exact K or V rows, fp16: whole rows are read
+        and split in registers (strided reads of each half took one load per element)."""
+        dims = tl.arange(0, 2 * HALF)
+        rows = tl.load(ptr + tokens[:, None] * (2 * HALF) + dims[None, :], mask=valid[:, None], other=0.0)
+        even, odd = tl.split(tl.reshape(rows, (tokens.shape[0], HALF, 2)))
         return even.to(tl.float16), odd.to(tl.float16)
 
     @triton.jit
@@ -168,15 +192,16 @@ if triton is not None:
         return tl.reshape(tl.broadcast_to(x[None, :], (GROUPS, x.shape[0])), (GROUPS * x.shape[0],))
 
     @triton.jit
-    def _online_softmax_step(q_even, q_odd, k_even, k_odd, k_scales, v_even, v_odd, v_scales, valid, m_i, l_i,
-                             acc_even, acc_odd, GQA_P: tl.constexpr, BLOCK: tl.constexpr):
+    def _online_softmax_step(q_even, q_odd, k_bias, k_even, k_odd, k_scales, v_even, v_odd, v_scales, valid, m_i,
+                             l_i, acc_even, acc_odd, GQA_P: tl.constexpr, BLOCK: tl.constexpr):
         """One tile of Alg. 1 with the scales kept out of the products: row block g of the query holds its
         group-g coordinates only, so one dot gives every group's share of q . codes, and each share meets
         its token's scale in float32; likewise row block g of the weights carries p * (group-g V scale)
-        and keeps its own columns at the end (_own_columns). The codes enter the tensor cores exact."""
+        and keeps its own columns at the end (_own_columns). The codes enter the tensor cores exact, the
+        keys' with biases, whose product with each query row (k_bias, (rows,)) leaves each tile's shares."""
         K_GROUPS: tl.constexpr = k_scales.shape[0]
         V_GROUPS: tl.constexpr = v_scales.shape[0]
-        shares = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even)))
+        shares = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) - k_bias[:, None]
         scores = tl.sum(tl.reshape(shares, (K_GROUPS, GQA_P, BLOCK)) * k_scales[:, None, :], 0)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -190,6 +215,14 @@ if triton is not None:
         return m_new, l_i, acc_even, acc_odd
 
     @triton.jit
+    def _query_bias(q_even, q_odd, BITS: tl.constexpr):
+        """Each query row's product with the biases of int4 keys: q_even . 1032 + q_odd . 1152, where q_odd
+        was divided by 16 (_grouped_query's odd_scale); zeros for int8 keys."""
+        if BITS == 4:
+            return LOW_BIAS * tl.sum(q_even.to(tl.float32), 1) + HIGH_BIAS * tl.sum(q_odd.to(tl.float32), 1)
+        return tl.zeros([q_even.shape[0]], tl.float32)
+
+    @triton.jit
     def _own_columns(acc, GQA_P: tl.constexpr):
         """(GROUPS * GQA_P, HALF) -> (GQA_P, HALF): each coordinate from its own group's row block."""
         GROUPS: tl.constexpr = acc.shape[0] // GQA_P
@@ -198,17 +231,18 @@ if triton is not None:
         return tl.sum(tl.where(own[:, None, :], tl.reshape(acc, (GROUPS, GQA_P, HALF)), 0.0), 0)
 
     @triton.jit
-    def _grouped_query(ptr, row_offset, row_ok, scale, HALF: tl.constexpr, GROUPS: tl.constexpr,
+    def _grouped_query(ptr, row_offset, row_ok, scale, odd_scale, HALF: tl.constexpr, GROUPS: tl.constexpr,
                        GQA_P: tl.constexpr):
-        """(GROUPS * GQA_P, HALF) even and odd query coordinates times `scale`, fp16; row block g keeps
-        group g's coordinates and zeros elsewhere. row_offset / row_ok: (GQA_P,) element offsets, validity."""
+        """(GROUPS * GQA_P, HALF) even and odd query coordinates times `scale` and `odd_scale`, fp16; row
+        block g keeps group g's coordinates and zeros elsewhere. row_offset / row_ok: (GQA_P,) element
+        offsets, validity."""
         pairs = tl.arange(0, HALF)
         rows = tl.arange(0, GROUPS * GQA_P)
         mine = (pairs[None, :] // (HALF // GROUPS)) == (rows // GQA_P)[:, None]
         at = ptr + _by_group(row_offset, GROUPS)[:, None] + 2 * pairs[None, :]
         mask = mine & _by_group(row_ok, GROUPS)[:, None]
         even = tl.load(at, mask=mask, other=0.0).to(tl.float32) * scale
-        odd = tl.load(at + 1, mask=mask, other=0.0).to(tl.float32) * scale
+        odd = tl.load(at + 1, mask=mask, other=0.0).to(tl.float32) * odd_scale
         return even.to(tl.float16), odd.to(tl.float16)
 
     @triton.jit(do_not_specialize=["n_packed", "n_window", "tokens_per_split", "n_packed_splits", "kv_heads",
@@ -218,12 +252,14 @@ if triton is not None:
         n_packed, n_window, tokens_per_split, n_packed_splits, kv_heads, capacity, window_capacity, scale,
         GQA: tl.constexpr, GQA_P: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
         K_GROUPS: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK: tl.constexpr, DEVICE_LENGTHS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Codes and scales are (B, Hkv, capacity, .) buffers, windows (B, Hkv, window_capacity, d), all
         contiguous; q and q @ query_map (B, Hq, d); partials (B, Hq, splits, d) and (B, Hq, splits).
         Packed splits score q @ query_map against the codes; the last split scores q against the window,
         whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
         counts come from lengths_ptr (see device_lengths) instead of n_packed and n_window."""
+        _await_previous_kernel(PDL)
         if DEVICE_LENGTHS:
             counts = tl.load(lengths_ptr)
             n_packed = (counts >> 32).to(tl.int32)
@@ -242,7 +278,9 @@ if triton is not None:
         acc_odd = tl.zeros([V_GROUPS * GQA_P, HALF], tl.float32)
         row = pid_bh.to(tl.int64) * capacity
         if split < n_packed_splits:
-            q_even, q_odd = _grouped_query(qmap_ptr, q_offset, row_ok, scale, HALF, K_GROUPS, GQA_P)
+            q_even, q_odd = _grouped_query(qmap_ptr, q_offset, row_ok, scale,
+                                           scale / HIGH_STEP if BITS == 4 else scale, HALF, K_GROUPS, GQA_P)
+            k_bias = _query_bias(q_even, q_odd, BITS)
             start = split * tokens_per_split
             end = tl.minimum(start + tokens_per_split, n_packed)
             kc = kc_ptr + row * (HALF * BITS // 4)
@@ -252,24 +290,25 @@ if triton is not None:
             for t0 in range(start, end, BLOCK):
                 tokens = t0 + tl.arange(0, BLOCK)
                 valid = tokens < end
-                k_even, k_odd = _load_codes(kc, tokens, valid, BITS, HALF)
-                v_even, v_odd = _load_codes(vc, tokens, valid, BITS, HALF)
+                k_even, k_odd = _load_codes(kc, tokens, valid, BITS, HALF, False)
+                v_even, v_odd = _load_codes(vc, tokens, valid, BITS, HALF, True)
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
-                    q_even, q_odd, k_even, k_odd, _load_scales(ks, tokens, valid, K_GROUPS), v_even, v_odd,
+                    q_even, q_odd, k_bias, k_even, k_odd, _load_scales(ks, tokens, valid, K_GROUPS), v_even, v_odd,
                     _load_scales(vs, tokens, valid, V_GROUPS), valid, m_i, l_i, acc_even, acc_odd, GQA_P, BLOCK)
         else:
-            q_even, q_odd = _grouped_query(q_ptr, q_offset, row_ok, scale, HALF, K_GROUPS, GQA_P)
+            q_even, q_odd = _grouped_query(q_ptr, q_offset, row_ok, scale, scale, HALF, K_GROUPS, GQA_P)
             window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)
-            k_unit = tl.full([K_GROUPS, BLOCK], 1.0, tl.float32)
-            v_unit = tl.full([V_GROUPS, BLOCK], 1.0, tl.float32)
-            for t0 in range(0, n_window, BLOCK):
-                tokens = t0 + tl.arange(0, BLOCK)
+            no_bias = tl.zeros([K_GROUPS * GQA_P], tl.float32)
+            k_unit = tl.full([K_GROUPS, WINDOW_BLOCK], 1.0, tl.float32)
+            v_unit = tl.full([V_GROUPS, WINDOW_BLOCK], 1.0, tl.float32)
+            for t0 in range(0, n_window, WINDOW_BLOCK):
+                tokens = t0 + tl.arange(0, WINDOW_BLOCK)
                 valid = tokens < n_window
                 k_even, k_odd = _load_window(kw_ptr + window_row, tokens, valid, HALF)
                 v_even, v_odd = _load_window(vw_ptr + window_row, tokens, valid, HALF)
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
-                    q_even, q_odd, k_even, k_odd, k_unit, v_even, v_odd, v_unit, valid, m_i, l_i, acc_even,
-                    acc_odd, GQA_P, BLOCK)
+                    q_even, q_odd, no_bias, k_even, k_odd, k_unit, v_even, v_odd, v_unit, valid, m_i, l_i, acc_even,
+                    acc_odd, GQA_P, WINDOW_BLOCK)
         stat = (b * kv_heads * GQA + heads) * n_splits + split
         o_base = o_ptr + stat[:, None] * (2 * HALF)
         pairs = tl.arange(0, HALF)
@@ -279,23 +318,38 @@ if triton is not None:
         tl.store(l_ptr + stat, l_i, mask=row_ok)
 
     @triton.jit
-    def _map_query_kernel(q_ptr, map_ptr, out_ptr, D: tl.constexpr, COLS: tl.constexpr):
+    def _await_previous_kernel(PDL: tl.constexpr):
+        """With programmatic dependent launch (Hopper on), a kernel may start while the one before it in
+        the stream still runs, once that one's programs have all started: the launch and the setup below
+        overlap it. Its programs then block here until it has finished and its writes are visible, so
+        every read of an earlier kernel's output, and every write, must come after this call."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def _map_query_kernel(q_ptr, map_ptr, out_ptr, D: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr):
         """out = q @ query_map in float32, one program per (batch, query head) and block of COLS columns:
         each reads its slice of the map in one round trip (the step's short kernels are latency-bound)."""
         bh = tl.program_id(0)
         cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
         rows = tl.arange(0, D)
+        query_map = tl.load(map_ptr + rows[:, None] * D + cols[None, :])
+        _await_previous_kernel(PDL)
         q = tl.load(q_ptr + bh * D + rows).to(tl.float32)
-        tl.store(out_ptr + bh * D + cols, tl.sum(q[:, None] * tl.load(map_ptr + rows[:, None] * D + cols[None, :]), 0))
+        tl.store(out_ptr + bh * D + cols, tl.sum(q[:, None] * query_map, 0))
 
     @triton.jit(do_not_specialize=["n_splits"])
     def _reduce_kernel(o_ptr, m_ptr, l_ptr, omap_ptr, out_ptr, n_splits, D: tl.constexpr, SPLITS: tl.constexpr,
-                       COLS: tl.constexpr):
+                       COLS: tl.constexpr, PDL: tl.constexpr):
         """Eq. 5, o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c, with the packed splits' sum mapped by
         output_map (d, d) before the window split (the last) is added; one program per (batch, query head)
         and block of COLS output columns."""
         bh = tl.program_id(0)
         cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        rows = tl.arange(0, D)
+        output_map = tl.load(omap_ptr + rows[:, None] * D + cols[None, :])
+        _await_previous_kernel(PDL)
         splits = tl.arange(0, SPLITS)
         ok = splits < n_splits
         m = tl.load(m_ptr + bh * n_splits + splits, mask=ok, other=float("-inf"))
@@ -304,10 +358,9 @@ if triton is not None:
         weight = tl.where(ok, tl.exp(m - m_max), 0.0)
         packed_weight = tl.where(splits < n_splits - 1, weight, 0.0)
         window_weight = tl.sum(tl.where(splits == n_splits - 1, weight, 0.0), 0)
-        rows = tl.arange(0, D)
         o = tl.load(o_ptr + (bh * n_splits + splits[:, None]) * D + rows[None, :], mask=ok[:, None], other=0.0)
         packed_sum = tl.sum(o * packed_weight[:, None], 0)
-        mapped = tl.sum(packed_sum[:, None] * tl.load(omap_ptr + rows[:, None] * D + cols[None, :]), 0)
+        mapped = tl.sum(packed_sum[:, None] * output_map, 0)
         window = tl.load(o_ptr + (bh * n_splits + n_splits - 1) * D + cols)
         out = (mapped + window * window_weight) / tl.sum(l_c * weight, 0)
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
@@ -316,6 +369,16 @@ if triton is not None:
 @lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@lru_cache(maxsize=8)
+def _hopper_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _programmatic_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch (see _await_previous_kernel) needs compute capability 9.0."""
+    return LAUNCH.programmatic and _hopper_or_newer(device)
 
 
 def _padded_heads(gqa: int, k_groups: int, v_groups: int) -> int:
@@ -327,12 +390,28 @@ def _grouped_rows(gqa: int, k_groups: int, v_groups: int) -> int:
     return _padded_heads(gqa, k_groups, v_groups) * max(k_groups, v_groups)
 
 
-def _split_plan(n_packed: int, programs_per_split: int, device: torch.device) -> tuple[int, int]:
-    """(splits over the packed tokens, tokens per split): enough programs to fill every SM ~4 times."""
+REGISTERS_PER_SM = 65536  # every NVIDIA GPU since Maxwell
+REGISTER_GRANULE = 256  # registers are allocated per warp in blocks of 256
+SHARED_RESERVED_PER_PROGRAM = 1024  # the driver's share of shared memory per resident block (sm_80 on)
+
+
+def _resident_programs(compiled, num_warps: int, device: torch.device) -> int:
+    """Programs of a compiled Triton kernel that one SM holds at once, by registers and shared memory."""
+    properties = torch.cuda.get_device_properties(device)
+    warp_registers = -(-compiled.n_regs * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
+    by_registers = REGISTERS_PER_SM // (warp_registers * num_warps)
+    by_shared = properties.shared_memory_per_multiprocessor // (compiled.metadata.shared + SHARED_RESERVED_PER_PROGRAM)
+    by_threads = properties.max_threads_per_multi_processor // (32 * num_warps)
+    return max(1, min(by_registers, by_shared, by_threads))
+
+
+def _split_plan(n_packed: int, programs_per_split: int, resident: int, device: torch.device) -> tuple[int, int]:
+    """(splits over the packed tokens, tokens per split): enough programs to fill every SM `resident`
+    times (LAUNCH.waves times where set)."""
     block = LAUNCH.block
     if n_packed == 0:
         return 0, block
-    target = LAUNCH.waves * _multiprocessors(device)
+    target = (LAUNCH.waves or resident) * _multiprocessors(device)
     splits = max(1, min(-(-target // programs_per_split), -(-n_packed // block)))
     per_split = -(-n_packed // splits)
     per_split = -(-per_split // block) * block
@@ -351,22 +430,37 @@ def _rows_buffer(t: torch.Tensor) -> int:
 _compiled: dict[tuple, object] = {}
 
 
-def _launch(kernel, grid: tuple, args: tuple, **constants) -> None:
-    """kernel[grid](*args, **constants), through the compiled kernel's own launcher once there is one.
+def _argument_key(argument):
+    if isinstance(argument, torch.dtype):  # stands for a 16-byte aligned tensor (see _compiled_kernel)
+        return argument, True
+    if isinstance(argument, torch.Tensor):
+        return argument.dtype, argument.data_ptr() % 16 == 0
+    return type(argument)
+
+
+def _compiled_kernel(kernel, args: tuple, constants: dict):
+    """The Triton build of kernel(*args, **constants), compiled and loaded on first use.
 
     Triton's dispatch binds and specializes every argument again on each call, tens of microseconds of
     host time per launch that decode pays per layer per token. These kernels take no integer
-    specialization (do_not_specialize), so what selects a compiled kernel is the constants and each
-    tensor's dtype and 16-byte alignment, which is the key here.
+    specialization (do_not_specialize), so what selects a build is the constants and each tensor's dtype
+    and 16-byte alignment, which is the key here. An argument may be a dtype, standing for an aligned
+    tensor of it (Triton's warmup takes those), to size a launch before its buffers exist.
     """
-    key = (kernel, tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args),
-           tuple(constants.items()), args[0].device)
+    key = (kernel, tuple(_argument_key(a) for a in args), tuple(constants.items()), args[0].device)
     compiled = _compiled.get(key)
     if compiled is None:
-        _compiled[key] = kernel[grid](*args, **constants)
-        return
+        compiled = kernel.warmup(*args, grid=(1,), **constants)
+        compiled._init_handles()  # loads the binary, which gives n_regs (as Triton's softmax tutorial does)
+        _compiled[key] = compiled
+    return compiled
+
+
+def _launch(kernel, grid: tuple, args: tuple, build=None, **constants) -> None:
+    """kernel[grid](*args, **constants) through the build's own launcher (see _compiled_kernel); `build`:
+    that build, where the caller has it already."""
     params = [constants[name] for name in kernel.arg_names[len(args):]]
-    compiled[(*grid, 1, 1)[:3]](*args, *params)
+    (build or _compiled_kernel(kernel, args, constants))[(*grid, 1, 1)[:3]](*args, *params)
 
 
 _workspaces: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -405,26 +499,33 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     window_capacity = _rows_buffer(window_keys)
     if _rows_buffer(window_values) != window_capacity:
         raise ValueError("window K and V must share one row capacity")
+    pdl = _programmatic_launch(query.device)
+    gqa = q_heads // kv_heads
+    constants = dict(
+        GQA=gqa, GQA_P=_padded_heads(gqa, keys.scales.shape[-1], values.scales.shape[-1]), HALF=d // 2,
+        BITS=keys.bits, K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
+        DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl, num_warps=LAUNCH.num_warps,
+        num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages)
+
+    def partial_args(mapped_query, partial, maxima, sums, per_split, packed_splits) -> tuple:
+        return (query, mapped_query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values,
+                partial, maxima, sums, query if lengths is None else lengths,  # unread without lengths
+                n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, float(scale))
+
+    build = _compiled_kernel(_partial_kernel, partial_args(*[torch.float32] * 4, 0, 0), constants)
     packed_splits, per_split = _split_plan(n_packed if lengths is None else capacity, batch * kv_heads,
-                                           query.device)
+                                           _resident_programs(build, LAUNCH.num_warps, query.device), query.device)
     n_splits = packed_splits + 1  # the last program takes the residual window
     mapped_query, partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     columns = min(d, MAP_COLUMNS)
     _launch(_map_query_kernel, (batch * q_heads, d // columns), (query, query_map.float().contiguous(), mapped_query),
-            D=d, COLS=columns)
-    gqa = q_heads // kv_heads
-    _launch(_partial_kernel, (batch * kv_heads, n_splits), (
-        query, mapped_query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values, partial,
-        maxima, sums, query if lengths is None else lengths,  # the lengths pointer is unread without lengths
-        n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, float(scale)),
-        GQA=gqa, GQA_P=_padded_heads(gqa, keys.scales.shape[-1], values.scales.shape[-1]), HALF=d // 2,
-        BITS=keys.bits, K_GROUPS=keys.scales.shape[-1], V_GROUPS=values.scales.shape[-1], BLOCK=LAUNCH.block,
-        DEVICE_LENGTHS=lengths is not None, num_warps=LAUNCH.num_warps,
-        num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages)
+            D=d, COLS=columns, PDL=pdl, launch_pdl=pdl)
+    _launch(_partial_kernel, (batch * kv_heads, n_splits),
+            partial_args(mapped_query, partial, maxima, sums, per_split, packed_splits), build, **constants)
     if out is None:
         out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
     _launch(_reduce_kernel, (batch * q_heads, d // columns), (partial, maxima, sums, output_map, out, n_splits), D=d,
-            SPLITS=triton.next_power_of_2(n_splits), COLS=columns)
+            SPLITS=triton.next_power_of_2(n_splits), COLS=columns, PDL=pdl, launch_pdl=pdl)
     return out
 
 
