@@ -17,7 +17,7 @@ from conftest import requires_cuda
 from kvq import kernels
 from kvq.bench import random_packed
 from kvq.kernels.backends import KernelBackend
-from kvq.kernels.decode_attention import _decode_attention_triton, decode_attention_reference
+from kvq.kernels.decode_attention import _decode_attention_triton, decode_attention_reference, resident_programs
 from kvq.kernels.plan import packed_codes, plan_for, unsupported_reason
 from kvq.kernels.source import translation_unit
 from kvq.quant.packing import unpack
@@ -44,6 +44,16 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
     assert "int4/int8" in unsupported_reason(quantizer(bits=3))
     assert "power-of-two group" in unsupported_reason(quantizer(granularity="per_group", group=24))
     assert "head_dim" in unsupported_reason(quantizer("srft", 96))
+
+
+@pytest.mark.parametrize("registers, shared, warps, expected", [
+    (255, 22528, 2, 4),  # 8192 registers per warp (256-register granules): 4 x 2 warps fill 65536
+    (167, 43008, 2, 5),  # registers would allow 6; shared memory, 43008 + 1024 reserved each, allows 5
+    (32, 0, 4, 16),  # 2048 threads per SM, 128 per program
+])
+def test_resident_programs_follow_an_h100_sms_limits(registers, shared, warps, expected):
+    """The decode attention splits its sequence into exactly as many programs as fit at once."""
+    assert resident_programs(registers, shared, warps, shared_per_sm=233472, threads_per_sm=2048) == expected
 
 
 def test_cpu_encode_is_the_reference():

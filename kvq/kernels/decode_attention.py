@@ -48,9 +48,11 @@ MAP_COLUMNS = 32  # output columns per program of the query map and the reduce: 
 @dataclass
 class LaunchConfig:
     """Tile and pipelining choices. Defaults: benchmarks/attention_configs.py's sweep on an H100 at 32K
-    and 128K tokens (Llama-3-8B shapes, int4 g32): within 1 us of the fastest at both. The sequence is
+    and 128K tokens (Llama-3-8B shapes, int4 g32), for item 15's kernel; for this one, 4 warps, 128-token
+    blocks and 2 stages each measured slower at 32K in item 18's session. The sequence is
     split into as many programs as the SMs hold at once (waves=None; from the compiled kernel's registers
-    and shared memory): one wave more or fewer than fit cost 15-40% there (RESULTS.md item 18)."""
+    and shared memory): one program per SM more or fewer cost 5-7% at 32K and ~20% at 128K (RESULTS.md
+    item 18)."""
 
     block: int = 64
     num_warps: int = 2
@@ -395,14 +397,19 @@ REGISTER_GRANULE = 256  # registers are allocated per warp in blocks of 256
 SHARED_RESERVED_PER_PROGRAM = 1024  # the driver's share of shared memory per resident block (sm_80 on)
 
 
-def _resident_programs(compiled, num_warps: int, device: torch.device) -> int:
-    """Programs of a compiled Triton kernel that one SM holds at once, by registers and shared memory."""
-    properties = torch.cuda.get_device_properties(device)
-    warp_registers = -(-compiled.n_regs * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
+def resident_programs(registers: int, shared_bytes: int, num_warps: int, shared_per_sm: int,
+                      threads_per_sm: int) -> int:
+    """Programs of a kernel (registers per thread, shared bytes per program) that one SM holds at once."""
+    warp_registers = -(-registers * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
     by_registers = REGISTERS_PER_SM // (warp_registers * num_warps)
-    by_shared = properties.shared_memory_per_multiprocessor // (compiled.metadata.shared + SHARED_RESERVED_PER_PROGRAM)
-    by_threads = properties.max_threads_per_multi_processor // (32 * num_warps)
-    return max(1, min(by_registers, by_shared, by_threads))
+    by_shared = shared_per_sm // (shared_bytes + SHARED_RESERVED_PER_PROGRAM)
+    return max(1, min(by_registers, by_shared, threads_per_sm // (32 * num_warps)))
+
+
+def _resident_programs_of(build, device: torch.device) -> int:
+    properties = torch.cuda.get_device_properties(device)
+    return resident_programs(build.n_regs, build.metadata.shared, build.metadata.num_warps,
+                             properties.shared_memory_per_multiprocessor, properties.max_threads_per_multi_processor)
 
 
 def _split_plan(n_packed: int, programs_per_split: int, resident: int, device: torch.device) -> tuple[int, int]:
@@ -514,7 +521,7 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
 
     build = _compiled_kernel(_partial_kernel, partial_args(*[torch.float32] * 4, 0, 0), constants)
     packed_splits, per_split = _split_plan(n_packed if lengths is None else capacity, batch * kv_heads,
-                                           _resident_programs(build, LAUNCH.num_warps, query.device), query.device)
+                                           _resident_programs_of(build, query.device), query.device)
     n_splits = packed_splits + 1  # the last program takes the residual window
     mapped_query, partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     columns = min(d, MAP_COLUMNS)
