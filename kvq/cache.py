@@ -123,37 +123,37 @@ class PackedStore:
                  device: torch.device):
         """lead_shape: (batch, heads). The buffers start empty, so a prompt shorter than the window
         decodes from the window alone."""
-        self.bits, self.head_dim = quantizer.inner.bits, head_dim
+        bits = quantizer.inner.bits
         groups, _ = quantizer.inner.grouping(head_dim)
-        self.codes = torch.empty(*lead_shape, 0, head_dim * self.bits // 8, dtype=torch.uint8, device=device)
-        self.scales = torch.empty(*lead_shape, 0, groups, dtype=torch.float32, device=device)
+        # whole capacity (decode graphs take it); the first `length` rows are filled
+        self.buffers = PackedKV(torch.empty(*lead_shape, 0, head_dim * bits // 8, dtype=torch.uint8, device=device),
+                                torch.empty(*lead_shape, 0, groups, dtype=torch.float32, device=device), bits, head_dim)
         self.length = 0
-        self.buffers = PackedKV(self.codes, self.scales, self.bits, head_dim)  # whole capacity, for decode graphs
 
     @staticmethod
-    def _grown(buffer: torch.Tensor, like: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
-        grown = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])
+    def _grown(buffer: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
+        grown = buffer.new_empty(*buffer.shape[:-2], capacity, buffer.shape[-1])
         grown[..., :length, :] = buffer[..., :length, :]
         return grown
 
     def append(self, packed: RotatedPacked) -> None:
         codes, scales = packed.inner.codes, packed.inner.scale.squeeze(-1)
         end = self.length + codes.shape[-2]
-        held = self.codes.shape[-2]
+        held = self.buffers.codes.shape[-2]
         if end > held:
             capacity = end + self.MIN_GROWTH if not held else max(end, int(self.GROWTH * held), held + self.MIN_GROWTH)
-            self.codes = self._grown(self.codes, codes, capacity, self.length)
-            self.scales = self._grown(self.scales, scales, capacity, self.length)
-            self.buffers = PackedKV(self.codes, self.scales, self.bits, self.head_dim)
-        self.codes.narrow(-2, self.length, end - self.length).copy_(codes)
-        self.scales.narrow(-2, self.length, end - self.length).copy_(scales)
+            self.buffers = PackedKV(self._grown(self.buffers.codes, capacity, self.length),
+                                    self._grown(self.buffers.scales, capacity, self.length), self.buffers.bits,
+                                    self.buffers.head_dim)
+        self.buffers.codes.narrow(-2, self.length, end - self.length).copy_(codes)
+        self.buffers.scales.narrow(-2, self.length, end - self.length).copy_(scales)
         self.length = end
 
     def view(self) -> PackedKV:
         return self.buffers.rows(self.length)
 
     def held_bytes(self) -> int:
-        return held_bytes((self.codes, self.scales))
+        return held_bytes((self.buffers.codes, self.buffers.scales))
 
 
 class DomainMaps:

@@ -292,8 +292,8 @@ if triton is not None:
             for t0 in range(start, end, BLOCK):
                 tokens = t0 + tl.arange(0, BLOCK)
                 valid = tokens < end
-                k_even, k_odd = _load_codes(kc, tokens, valid, BITS, HALF, False)
-                v_even, v_odd = _load_codes(vc, tokens, valid, BITS, HALF, True)
+                k_even, k_odd = _load_codes(kc, tokens, valid, BITS, HALF, VALUES=False)
+                v_even, v_odd = _load_codes(vc, tokens, valid, BITS, HALF, VALUES=True)
                 m_i, l_i, acc_even, acc_odd = _online_softmax_step(
                     q_even, q_odd, k_bias, k_even, k_odd, _load_scales(ks, tokens, valid, K_GROUPS), v_even, v_odd,
                     _load_scales(vs, tokens, valid, V_GROUPS), valid, m_i, l_i, acc_even, acc_odd, GQA_P, BLOCK)
@@ -369,18 +369,13 @@ if triton is not None:
 
 
 @lru_cache(maxsize=8)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@lru_cache(maxsize=8)
-def _hopper_or_newer(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+def _properties(device: torch.device):
+    return torch.cuda.get_device_properties(device)
 
 
 def _programmatic_launch(device: torch.device) -> bool:
     """Programmatic dependent launch (see _await_previous_kernel) needs compute capability 9.0."""
-    return LAUNCH.programmatic and _hopper_or_newer(device)
+    return LAUNCH.programmatic and _properties(device).major >= 9
 
 
 def _padded_heads(gqa: int, k_groups: int, v_groups: int) -> int:
@@ -407,7 +402,7 @@ def resident_programs(registers: int, shared_bytes: int, num_warps: int, shared_
 
 
 def _resident_programs_of(build, device: torch.device) -> int:
-    properties = torch.cuda.get_device_properties(device)
+    properties = _properties(device)
     return resident_programs(build.n_regs, build.metadata.shared, build.metadata.num_warps,
                              properties.shared_memory_per_multiprocessor, properties.max_threads_per_multi_processor)
 
@@ -418,7 +413,7 @@ def _split_plan(n_packed: int, programs_per_split: int, resident: int, device: t
     block = LAUNCH.block
     if n_packed == 0:
         return 0, block
-    target = (LAUNCH.waves or resident) * _multiprocessors(device)
+    target = (LAUNCH.waves or resident) * _properties(device).multi_processor_count
     splits = max(1, min(-(-target // programs_per_split), -(-n_packed // block)))
     per_split = -(-n_packed // splits)
     per_split = -(-per_split // block) * block
