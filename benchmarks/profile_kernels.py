@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq import kernels
-from kvq.bench import packed_layers
-from kvq.kernels.decode_attention import decode_attention
+from kvq.bench import attention_step
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Identity
@@ -34,16 +33,11 @@ def quantize(rotation: str) -> None:
         kernels.encode(quantizer, x)
 
 
-def attention(context: int, d: int = 128) -> None:
-    quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, "per_group", 32))
-    caches = packed_layers(context, 8, d, 32, "cuda", layers=2)
-    window = torch.randn(1, 8, 8, d, device="cuda", dtype=torch.float16)
-    query = torch.randn(1, 32, 1, d, device="cuda", dtype=torch.float16)
-    rotation = quantizer.rotation.matrix().cuda()
+def attention(context: int) -> None:
+    _, caches, query, step = attention_step("cuda", context, q_heads=32, kv_heads=8, d=128, group=32, layers=2)
     for call in range(WARM_CALLS + 1):
-        decode_attention(query.squeeze(-2), rotation.T.contiguous(), *caches[call % 2], window, window, rotation,
-                         d ** -0.5)
-    keys, values = (torch.randn(1, 8, context, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        step(*caches[call % 2])
+    keys, values = (torch.randn(1, 8, context, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     for _ in range(WARM_CALLS):
         F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
 

@@ -123,16 +123,23 @@ def packed_layers(tokens: int, kv_heads: int, d: int, group: int, device: str, l
     return [tuple(random_packed(1, kv_heads, tokens, d, 4, group, device) for _ in range(2)) for _ in range(layers)]
 
 
-def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int) -> dict:
+def attention_step(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int,
+                   layers: int = LAYERS) -> tuple:
+    """The benched decode attention step: (SRFT int4 quantizer, `layers` packed caches of `tokens` tokens,
+    fp16 query (1, q_heads, 1, d), step(keys, values) -> fused attention with an 8-token window)."""
     quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, "per_group", group))
-    caches = packed_layers(tokens, kv_heads, d, group, device)
+    caches = packed_layers(tokens, kv_heads, d, group, device, layers)
     window = torch.randn(1, kv_heads, 8, d, device=device, dtype=torch.float16)
     q16 = torch.randn(1, q_heads, 1, d, device=device, dtype=torch.float16)
     rotation = quantizer.rotation.matrix().to(device)
     step = partial(decode_attention, q16.squeeze(-2), rotation.T.contiguous())
-    tail = (window, window, rotation, d ** -0.5)
-    fused = time_per_layer(lambda keys, values: step(keys, values, *tail), caches, device)
-    eager = time_call(lambda: step(*caches[0], *tail), device)
+    return quantizer, caches, q16, lambda keys, values: step(keys, values, window, window, rotation, d ** -0.5)
+
+
+def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int) -> dict:
+    quantizer, caches, q16, step = attention_step(device, tokens, q_heads, kv_heads, d, group)
+    fused = time_per_layer(step, caches, device)
+    eager = time_call(lambda: step(*caches[0]), device)
     fp16 = [tuple(torch.randn(1, kv_heads, tokens, d, device=device, dtype=torch.float16) for _ in range(2))
             for _ in caches]
     sdpa = time_per_layer(lambda k, v: F.scaled_dot_product_attention(q16, k, v, enable_gqa=True), fp16, device)
