@@ -29,7 +29,7 @@ def main() -> None:
         maps = torch.linalg.qr(torch.randn(128, 128, device="cuda"))[0]
         step = partial(decode_attention.decode_attention, query, maps)
         tail = (window, window, maps.T, 128 ** -0.5)
-        for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4), (1, 2, 3), (None, 2, 4, 8)):
+        for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4), (1, 2, 3, 4, 5), (None, 2, 4, 8)):
             decode_attention.LAUNCH = decode_attention.LaunchConfig(block, warps, stages, waves)
             try:
                 seconds = time_per_layer(lambda k, v, step=step, tail=tail: step(k, v, *tail), caches, "cuda")

@@ -30,13 +30,22 @@ PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.
                   "A100-SXM4-80GB": 2.039e12, "A100-SXM4-40GB": 1.555e12}
 
 
+# GPU clock cycles (~100 us) a graph-replay sample spins before its start event: longer than the host
+# takes to submit the replay, so the timed span holds the graph's kernels only (see time_call).
+LAUNCH_COVER_CYCLES = 200_000
+
+
 def time_call(fn: Callable[[], object], device: str, repeats: int = 20, warmup: int = 3,
               graph: bool = False) -> float:
     """Median seconds per call. graph=True (CUDA) captures fn once and times graph replays: the GPU time
-    of its kernels without Python launch cost, which is what a kernel comparison is about."""
+    of its kernels without Python launch cost, which is what a kernel comparison is about. Each replay
+    queues behind a GPU spin, as Triton's do_bench queues each call behind a cache flush: on an idle GPU
+    the start event fires at once and the span would also hold the host's submission of the replay
+    (RESULTS.md item 21)."""
     for _ in range(warmup):
         fn()
-    if graph and device.startswith("cuda"):
+    graphed = graph and device.startswith("cuda")
+    if graphed:
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
             fn()
@@ -45,6 +54,8 @@ def time_call(fn: Callable[[], object], device: str, repeats: int = 20, warmup: 
     for _ in range(repeats):
         if device.startswith("cuda"):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if graphed:
+                torch.cuda._sleep(LAUNCH_COVER_CYCLES)
             start.record()
             fn()
             end.record()

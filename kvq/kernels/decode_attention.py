@@ -47,16 +47,17 @@ MAP_COLUMNS = 32  # output columns per program of the query map and the reduce: 
 
 @dataclass
 class LaunchConfig:
-    """Tile and pipelining choices. Defaults: benchmarks/attention_configs.py's sweep on an H100 at 32K
-    and 128K tokens (Llama-3-8B shapes, int4 g32), for item 15's kernel; for this one, 4 warps, 128-token
-    blocks and 2 stages each measured slower at 32K in item 18's session. The sequence is
-    split into as many programs as the SMs hold at once (waves=None; from the compiled kernel's registers
-    and shared memory): one program per SM more or fewer cost 5-7% at 32K and ~20% at 128K (RESULTS.md
-    item 18)."""
+    """Tile and pipelining choices. Defaults: benchmarks/attention_configs.py's sweeps on an H100 (Llama-3-8B
+    shapes, int4 g32). Block and warps from item 15's; 4 stages (three tiles in flight) from item 21's, 4-6%
+    faster than 3 at 8K and 32K and 2% at 128K, where 5 or more leave shared memory for too few programs.
+    Each SM is bound by the loads its programs keep in flight, not by HBM: the step's time fell with every
+    program per SM added (item 21). The sequence is split into as many programs as the SMs hold at once
+    (waves=None; from the compiled kernel's registers and shared memory): one program per SM more or fewer
+    cost 5-7% at 32K and ~20% at 128K (RESULTS.md item 18)."""
 
     block: int = 64
     num_warps: int = 2
-    num_stages: int = 3
+    num_stages: int = 4
     waves: int | None = None  # programs per SM to aim for when splitting the sequence; None: as many as fit
     programmatic: bool = True  # programmatic dependent launch where the device has it
 
