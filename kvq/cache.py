@@ -191,6 +191,8 @@ class FusedLayer(WindowedLayer):
         self.decode_graph = DecodeGraph()
         self.deferred = False
         self.fused_steps = 0
+        # (window rows, newest K and V) not yet written: a decode step's write rides in attend's dispatch
+        self.unwritten: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def lazy_initialization(self, key_states, value_states=None):
         super().lazy_initialization(key_states, value_states)
@@ -208,15 +210,25 @@ class FusedLayer(WindowedLayer):
         targets = self.slots[start] if n == 1 else [self.raw[role].narrow(-2, start, n) for role in ("k", "v")]
         torch._foreach_copy_(targets, [keys, values])
 
+    def _write_unwritten(self) -> None:
+        if self.unwritten is not None:
+            torch._foreach_copy_(*self.unwritten)
+            self.unwritten = None
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._write_unwritten()
         new = key_states.shape[-2]
         total = self.count + new
         if total <= self.window:
-            # the common decode step, and the flush it fills: the window buffer is the pending chunk
-            self._write_window(self.count, key_states, value_states)
-            pending = self.raw
+            if new == 1 and total < self.window:
+                # the common decode step: attend (or materialize) writes its row in one dispatch with the decode
+                # graph's query, a launch fewer per layer per token in a host-bound generate loop
+                self.unwritten = (self.slots[self.count], [key_states, value_states])
+            else:
+                self._write_window(self.count, key_states, value_states)
+            pending = self.raw  # what a flush quantizes: the full window
         else:
             pending = {role: torch.cat([self.raw[role][..., :self.count, :], states], dim=-2)
                        for role, states in (("k", key_states), ("v", value_states))}
@@ -235,6 +247,7 @@ class FusedLayer(WindowedLayer):
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized prefix plus the exact window, for prefill and the steps fused attention skips."""
+        self._write_unwritten()
         out = []
         for role, store in self.stores.items():
             window = self.raw[role][..., :self.count, :]
@@ -247,8 +260,9 @@ class FusedLayer(WindowedLayer):
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
         keys, values = self.stores["k"], self.stores["v"]
+        writes, self.unwritten = self.unwritten or ([], []), None
         out = self.decode_graph(query.squeeze(-2), self.maps.query, keys.buffers, values.buffers, self.raw["k"],
-                                self.raw["v"], self.maps.output, scaling, keys.length, self.count)
+                                self.raw["v"], self.maps.output, scaling, keys.length, self.count, writes)
         self.fused_steps += 1
         return out.unsqueeze(1)
 

@@ -64,6 +64,20 @@ def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt):
     assert fused.decode_graph.captures == ((1 + (prompt < 16)) if device == "cuda" else 0)
 
 
+def test_fused_layer_keeps_decode_rows_that_no_attend_wrote():
+    """A decode step's window row is written with attend's dispatch; when attend does not run (a masked step
+    materializes instead, or nothing attends) materialize or the next update must write it."""
+    bank = QuantizerBank(QuantSpec("srft", 8, "per_group", 32), KVGeometry(1, 2, 64))
+    reference, fused = QuantizedLayer(bank, 0, 16, True), FusedLayer(bank, 0, 16)
+    generator = torch.Generator().manual_seed(5)
+    for tokens in (20, 1, 1, 1):  # 16 packed; then 4 + 3 window rows, the last two decode rows left to materialize
+        k, v = (torch.randn(1, 2, tokens, 64, generator=generator) for _ in range(2))
+        expected = reference.update(k, v)
+        fused.update(k, v)
+    for got, want in zip(fused.materialize(), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
 def test_fused_memory_counts_allocated_buffers():
     bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), KVGeometry(1, 2, 128))
     layer = FusedLayer(bank, 0, 16)

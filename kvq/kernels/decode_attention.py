@@ -539,9 +539,10 @@ class DecodeGraph:
     launches with their argument handling, 70-130 us on the H100 host, where an fp16 layer's cat +
     SDPA takes 40-70 us and a replay of the same three kernels 16-33 us (benchmarks/decode_overhead.py,
     RESULTS.md item 17; the host's speed drifts between runs). It takes whole buffers and the token
-    counts, which the kernels read from a device tensor, so the graph is captured again only when a
-    buffer, the maps, the scale or the query's shape change (a packed store grows every ~6% of its
-    length). The returned tensor is the graph's output buffer: valid until the next call.
+    counts, which the kernels read from a device tensor that the graph itself steps by one token, so the
+    graph is captured again only when a buffer, the maps, the scale or the query's shape change (a packed
+    store grows every ~6% of its length). The returned tensor is the graph's output buffer: valid until
+    the next call.
     """
 
     def __init__(self):
@@ -553,9 +554,11 @@ class DecodeGraph:
         self.written_lengths: int | None = None
 
     def __call__(self, query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values, output_map,
-                 scale: float, n_packed: int, n_window: int) -> torch.Tensor:
+                 scale: float, n_packed: int, n_window: int,
+                 writes: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])) -> torch.Tensor:
         """decode_attention over the first n_packed rows of the packed buffers `keys`, `values` and the
-        first n_window rows of the window buffers."""
+        first n_window rows of the window buffers. `writes`: (targets, sources) the caller still owes those
+        buffers (the newest token's window rows), copied first, in the same dispatch as the query."""
         arguments = (query, query_map, keys, values, window_keys, window_values, output_map, scale)
         # buffers, not views: an empty view's data pointer differs from its buffer's
         signature = (query.shape, query.dtype, query.device, float(scale), *(t.data_ptr() for t in (
@@ -568,13 +571,18 @@ class DecodeGraph:
             if self.fused:
                 self._capture(arguments, counts)
         if not self.fused:
+            if writes[0]:
+                torch._foreach_copy_(*writes)
             return decode_attention_reference(query, query_map, keys.rows(n_packed), values.rows(n_packed),
                                               window_keys[..., :n_window, :], window_values[..., :n_window, :],
                                               output_map, scale)
-        if counts != self.written_lengths:
-            self.lengths.fill_(counts)
-            self.written_lengths = counts
-        self.query.copy_(query)
+        # Each replay first adds one to the device's counts (the window grows a token per step), so only a
+        # flush or a jump costs a fill: one launch fewer per layer per token.
+        if self.written_lengths != counts - 1:
+            self.lengths.fill_(counts - 1)
+        self.written_lengths = counts
+        targets, sources = writes
+        torch._foreach_copy_([self.query, *targets], [query, *sources])
         self.graph.replay()
         return self.out
 
@@ -584,9 +592,9 @@ class DecodeGraph:
         self.graph = None  # frees the old graph before the new one is instantiated
         self.query = torch.empty_like(query)
         self.out = torch.empty_like(query)
-        self.lengths = torch.full((1,), counts, dtype=torch.int64, device=query.device)
-        self.written_lengths = counts
-        self.query.copy_(query)
+        # what the device holds before a replay (see __call__); the eager run below only compiles
+        self.lengths = torch.full((1,), counts - 1, dtype=torch.int64, device=query.device)
+        self.written_lengths = counts - 1
 
         def run():
             _decode_attention_triton(self.query, *arguments[1:], lengths=self.lengths, out=self.out)
@@ -599,6 +607,7 @@ class DecodeGraph:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             graph.capture_begin(capture_error_mode="thread_local")
+            self.lengths.add_(1)
             run()
             graph.capture_end()
         current.wait_stream(stream)
