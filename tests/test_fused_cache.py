@@ -70,7 +70,8 @@ def test_fused_layer_keeps_decode_rows_that_no_attend_wrote():
     bank = QuantizerBank(QuantSpec("srft", 8, "per_group", 32), KVGeometry(1, 2, 64))
     reference, fused = QuantizedLayer(bank, 0, 16, True), FusedLayer(bank, 0, 16)
     generator = torch.Generator().manual_seed(5)
-    for tokens in (20, 1, 1, 1):  # 16 packed; then 4 + 3 window rows, the last two decode rows left to materialize
+    # 16 packed, 4 window rows; of 3 decode rows, the next update writes the first two and materialize the last
+    for tokens in (20, 1, 1, 1):
         k, v = (torch.randn(1, 2, tokens, 64, generator=generator) for _ in range(2))
         expected = reference.update(k, v)
         fused.update(k, v)
