@@ -14,19 +14,33 @@
 #define KVQ_STAGE_ROWS (KVQ_STAGE_CODES && KVQ_BLOCK * (KVQ_CODE_BYTES + KVQ_IN_CHUNKS * 16) <= 40960)
 #define KVQ_STAGE_OUT (KVQ_BLOCK * KVQ_OUT_CHUNKS * 16 <= 32768)
 
-// Coalesced copy of the block's valid rows of ITEMS items of T between global memory and a swizzled
-// tile (into the tile when INTO_TILE), every load issued before the stores that wait on them.
-template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE>
-__device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_rows) {
+// Coalesced copy of the block's first `valid_rows` rows of ITEMS items of T between global memory and a
+// swizzled tile (into the tile when INTO_TILE), every load issued before the stores that wait on them.
+// Item k of the block's flat range is row k / ITEMS, item k % ITEMS; with ITEMS dividing KVQ_BLOCK a
+// thread keeps its item and steps KVQ_BLOCK / ITEMS rows per pass, written so that the swizzle folds to
+// a constant per pass.
+template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE, bool ALL_ROWS>
+__device__ __forceinline__ void kvq_copy_some_rows(T* global, T* tile, uint valid_rows) {
+    uint first_row = threadIdx.x / ITEMS, item = threadIdx.x % ITEMS;
+    T* own_global = global + threadIdx.x;
+    T* first_row_tile = tile + first_row * ITEMS;
 #pragma unroll
     for (uint i = 0; i < ITEMS; ++i) {
-        uint k = i * KVQ_BLOCK + threadIdx.x, r = k / ITEMS;
-        uint slot = r * ITEMS + ((k % ITEMS) ^ (r & KVQ_SWIZZLE(ITEMS, LIMIT)));
-        if (r < valid_rows) {
-            if (INTO_TILE) tile[slot] = global[k];
-            else global[k] = tile[slot];
+        uint r = first_row + i * (KVQ_BLOCK / ITEMS);
+        T* slot = first_row_tile + i * KVQ_BLOCK + (item ^ (r & KVQ_SWIZZLE(ITEMS, LIMIT)));  // tile row r
+        if (ALL_ROWS || r < valid_rows) {
+            if (INTO_TILE) *slot = own_global[i * KVQ_BLOCK];
+            else own_global[i * KVQ_BLOCK] = *slot;
         }
     }
+}
+
+// A whole block's rows copy without bounds checks: one predicate per item outnumbers the predicate
+// registers, and saving and restoring them took most of the copies' ~400 SASS instructions.
+template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE>
+__device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_rows) {
+    if (valid_rows == KVQ_BLOCK) kvq_copy_some_rows<T, ITEMS, LIMIT, INTO_TILE, true>(global, tile, valid_rows);
+    else kvq_copy_some_rows<T, ITEMS, LIMIT, INTO_TILE, false>(global, tile, valid_rows);
 }
 
 // Three blocks per SM: left alone, the staged build takes 204 registers and fits two.
