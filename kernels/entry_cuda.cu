@@ -21,6 +21,7 @@
 // a constant per pass.
 template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE, bool ALL_ROWS>
 __device__ __forceinline__ void kvq_copy_some_rows(T* global, T* tile, uint valid_rows) {
+    static_assert(KVQ_BLOCK % ITEMS == 0, "a staged row's items must divide the block");
     uint first_row = threadIdx.x / ITEMS, item = threadIdx.x % ITEMS;
     T* own_global = global + threadIdx.x;
     T* first_row_tile = tile + first_row * ITEMS;
@@ -36,7 +37,8 @@ __device__ __forceinline__ void kvq_copy_some_rows(T* global, T* tile, uint vali
 }
 
 // A whole block's rows copy without bounds checks: one predicate per item outnumbers the predicate
-// registers, and saving and restoring them took most of the copies' ~400 SASS instructions.
+// registers, and saving and restoring them, with each swizzled address computed afresh, made the two
+// copies ~400 of the kernel's 2960 SASS instructions (RESULTS.md item 23).
 template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE>
 __device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_rows) {
     if (valid_rows == KVQ_BLOCK) kvq_copy_some_rows<T, ITEMS, LIMIT, INTO_TILE, true>(global, tile, valid_rows);
