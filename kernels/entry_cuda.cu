@@ -2,9 +2,9 @@
 //
 // A thread's row and codes sit a whole row's stride from its neighbours', so touching them in place
 // makes every warp-wide access hit 32 cache lines with a few bytes each (the identity rotation ran at
-// 41% of HBM bandwidth, the inverse at 26%). The block instead moves them between global and shared
-// memory coalesced, item i of row r at r * ITEMS + (i ^ (r & SWIZZLE(ITEMS))) in shared memory so that
-// neighbouring threads hit different banks (RESULTS.md items 13 and 15).
+// 41% of HBM bandwidth, the inverse at 26%). Each warp instead moves its 32 rows between global and
+// shared memory coalesced, item i of row r at r * ITEMS + (i ^ (r & SWIZZLE(ITEMS))) in shared memory so
+// that neighbouring threads hit different banks (RESULTS.md items 13 and 15).
 
 #define KVQ_SWIZZLE(items, limit) ((items) < (limit) ? (items) - 1 : (limit) - 1)
 
@@ -14,61 +14,73 @@
 #define KVQ_STAGE_ROWS (KVQ_STAGE_CODES && KVQ_BLOCK * (KVQ_CODE_BYTES + KVQ_IN_CHUNKS * 16) <= 40960)
 #define KVQ_STAGE_OUT (KVQ_BLOCK * KVQ_OUT_CHUNKS * 16 <= 32768)
 
-// Coalesced copy of the block's first `valid_rows` rows of ITEMS items of T between global memory and a
-// swizzled tile (into the tile when INTO_TILE), every load issued before the stores that wait on them.
-// Item k of the block's flat range is row k / ITEMS, item k % ITEMS; with ITEMS dividing KVQ_BLOCK a
-// thread keeps its item and steps KVQ_BLOCK / ITEMS rows per pass, written so that the swizzle folds to
-// a constant per pass.
+// A warp stages its own rows and waits on nothing wider than itself: it starts computing as soon as its
+// rows land, while the block's other warps may still wait for theirs. (Same-run A/B on the H100 against
+// block-wide staging between barriers: g32 + lambda 59.7-59.8% of peak bandwidth vs 57.8-58.0%,
+// per-token 64.9-65.7% vs 64.7-65.2%, the inverse ~1.5% faster; RESULTS.md item 24.)
+#define KVQ_WARP 32
+
+// Coalesced copy of a warp's first `valid_rows` rows (of 32) of ITEMS items of T between global memory
+// and its swizzled tile (into the tile when INTO_TILE), every load issued before the stores that wait on
+// them. Pass i of ITEMS moves 32 items: with ITEMS <= 32, item lane % ITEMS of rows i + ITEMS * h
+// (h = lane / ITEMS), whose swizzle bits (below ITEMS) are i's alone and fold to a constant per pass;
+// with more, a 32-item slice of row i / (ITEMS / 32). (The rows of one pass sit ITEMS^2 items apart, on
+// the same banks, so 32-bit items, the codes, copy with 2-way conflicts at 16 per row; adjacent rows
+// would avoid them at the price of a per-pass XOR in every address.)
 template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE, bool ALL_ROWS>
 __device__ __forceinline__ void kvq_copy_some_rows(T* global, T* tile, uint valid_rows) {
-    static_assert(KVQ_BLOCK % ITEMS == 0, "a staged row's items must divide the block");
-    uint first_row = threadIdx.x / ITEMS, item = threadIdx.x % ITEMS;
-    T* own_global = global + threadIdx.x;
-    T* first_row_tile = tile + first_row * ITEMS;
+    static_assert((ITEMS <= KVQ_WARP ? KVQ_WARP % ITEMS : ITEMS % KVQ_WARP) == 0,
+                  "a staged row's items must divide the warp or be whole warps");
+    uint lane = threadIdx.x % KVQ_WARP;
 #pragma unroll
     for (uint i = 0; i < ITEMS; ++i) {
-        uint r = first_row + i * (KVQ_BLOCK / ITEMS);
-        T* slot = first_row_tile + i * KVQ_BLOCK + (item ^ (r & KVQ_SWIZZLE(ITEMS, LIMIT)));  // tile row r
+        uint r = ITEMS <= KVQ_WARP ? i + ITEMS * (lane / ITEMS) : i / (ITEMS / KVQ_WARP);
+        uint item = ITEMS <= KVQ_WARP ? lane % ITEMS : (i % (ITEMS / KVQ_WARP)) * KVQ_WARP + lane;
+        T* slot = tile + r * ITEMS + (item ^ (r & KVQ_SWIZZLE(ITEMS, LIMIT)));
+        T* at = global + r * ITEMS + item;
         if (ALL_ROWS || r < valid_rows) {
-            if (INTO_TILE) *slot = own_global[i * KVQ_BLOCK];
-            else own_global[i * KVQ_BLOCK] = *slot;
+            if (INTO_TILE) *slot = *at;
+            else *at = *slot;
         }
     }
 }
 
-// A whole block's rows copy without bounds checks: one predicate per item outnumbers the predicate
+// A whole warp's rows copy without bounds checks: one predicate per item outnumbers the predicate
 // registers, and saving and restoring them, with each swizzled address computed afresh, made the two
 // copies ~400 of the kernel's 2960 SASS instructions (RESULTS.md item 23).
 template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE>
 __device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_rows) {
-    if (valid_rows == KVQ_BLOCK) kvq_copy_some_rows<T, ITEMS, LIMIT, INTO_TILE, true>(global, tile, valid_rows);
+    if (valid_rows >= KVQ_WARP) kvq_copy_some_rows<T, ITEMS, LIMIT, INTO_TILE, true>(global, tile, valid_rows);
     else kvq_copy_some_rows<T, ITEMS, LIMIT, INTO_TILE, false>(global, tile, valid_rows);
 }
 
 // Three blocks per SM: left alone, the staged build takes 204 registers and fits two.
 extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 3) kvq_quantize(
     const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, uchar* codes, float* scales, uint n) {
-    uint first = blockIdx.x * KVQ_BLOCK, vec = first + threadIdx.x;
+    uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x, lane = threadIdx.x % KVQ_WARP;
+    uint first = vec - lane;  // the warp's first row; its part of each tile starts at row first % KVQ_BLOCK
 #if KVQ_STAGE_CODES
     // Codes as 32-bit words: a 16-way swizzle leaves at most two threads of a warp on one bank. Rows as
     // 16-byte chunks: an 8-way swizzle spreads the 8 threads of each 16-byte access phase over the banks.
-    __shared__ uint tile[KVQ_BLOCK * KVQ_CODE_WORDS];
-    uint valid = min(KVQ_BLOCK, n - first);
+    __shared__ uint block_tile[KVQ_BLOCK * KVQ_CODE_WORDS];
+    uint* tile = block_tile + (first % KVQ_BLOCK) * KVQ_CODE_WORDS;
+    uint valid = first < n ? n - first : 0;
 #if KVQ_STAGE_ROWS
-    __shared__ uint4 rows[KVQ_BLOCK * KVQ_IN_CHUNKS];
+    __shared__ uint4 block_rows[KVQ_BLOCK * KVQ_IN_CHUNKS];
+    uint4* rows = block_rows + (first % KVQ_BLOCK) * KVQ_IN_CHUNKS;
     kvq_copy_rows<uint4, KVQ_IN_CHUNKS, 8, true>((uint4*)(x + (kvq_index)first * KVQ_D), rows, valid);
-    __syncthreads();
-    const uint4* row = rows + threadIdx.x * KVQ_IN_CHUNKS;
-    uint row_swizzle = threadIdx.x & KVQ_SWIZZLE(KVQ_IN_CHUNKS, 8);
+    __syncwarp();
+    const uint4* row = rows + lane * KVQ_IN_CHUNKS;
+    uint row_swizzle = lane & KVQ_SWIZZLE(KVQ_IN_CHUNKS, 8);
 #else
     const uint4* row = (const uint4*)(x + (kvq_index)vec * KVQ_D);
     uint row_swizzle = 0;
 #endif
     if (vec < n) {
-        kvq_quantize_body(row, row_swizzle, sign_words, lam, has_lam, tile + threadIdx.x * KVQ_CODE_WORDS,
-                          threadIdx.x & KVQ_SWIZZLE(KVQ_CODE_WORDS, 16), scales, vec);
+        kvq_quantize_body(row, row_swizzle, sign_words, lam, has_lam, tile + lane * KVQ_CODE_WORDS,
+                          lane & KVQ_SWIZZLE(KVQ_CODE_WORDS, 16), scales, vec);
     }
-    __syncthreads();
+    __syncwarp();
     kvq_copy_rows<uint, KVQ_CODE_WORDS, 16, false>((uint*)(codes + (kvq_index)first * KVQ_CODE_BYTES), tile, valid);
 #else
     if (vec >= n) return;
@@ -79,15 +91,17 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 3) kvq_quantize(
 
 extern "C" __global__ void kvq_dequantize(const uchar* codes, const float* scales, const uint* sign_words,
                                           const float* inverse_lam, uint has_lam, KVQ_OUT_T* x, uint n) {
-    uint first = blockIdx.x * KVQ_BLOCK, vec = first + threadIdx.x;
+    uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x, lane = threadIdx.x % KVQ_WARP, first = vec - lane;
 #if KVQ_STAGE_OUT
-    __shared__ uint4 tile[KVQ_BLOCK * KVQ_OUT_CHUNKS];
+    __shared__ uint4 block_tile[KVQ_BLOCK * KVQ_OUT_CHUNKS];
+    uint4* tile = block_tile + (first % KVQ_BLOCK) * KVQ_OUT_CHUNKS;
     if (vec < n) {
-        kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, tile + threadIdx.x * KVQ_OUT_CHUNKS,
-                            threadIdx.x & KVQ_SWIZZLE(KVQ_OUT_CHUNKS, 8), vec);
+        kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, tile + lane * KVQ_OUT_CHUNKS,
+                            lane & KVQ_SWIZZLE(KVQ_OUT_CHUNKS, 8), vec);
     }
-    __syncthreads();
-    kvq_copy_rows<uint4, KVQ_OUT_CHUNKS, 8, false>((uint4*)(x + (kvq_index)first * KVQ_D), tile, min(KVQ_BLOCK, n - first));
+    __syncwarp();
+    kvq_copy_rows<uint4, KVQ_OUT_CHUNKS, 8, false>((uint4*)(x + (kvq_index)first * KVQ_D), tile,
+                                                   first < n ? n - first : 0);
 #else
     if (vec >= n) return;
     kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, (uint4*)(x + (kvq_index)vec * KVQ_D), 0, vec);
