@@ -60,6 +60,9 @@ class LaunchConfig:
     num_stages: int = 4
     waves: int | None = None  # programs per SM to aim for when splitting the sequence; None: as many as fit
     programmatic: bool = True  # programmatic dependent launch where the device has it
+    # the step's kernels to launch: benchmarks/attention_pieces.py leaves some out to time the rest (the
+    # output is then wrong)
+    kernels: tuple[str, ...] = ("map", "partial", "reduce")
 
 
 LAUNCH = LaunchConfig()
@@ -521,14 +524,17 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
     n_splits = packed_splits + 1  # the last program takes the residual window
     mapped_query, partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     columns = min(d, MAP_COLUMNS)
-    _launch(_map_query_kernel, (batch * q_heads, d // columns), (query, query_map.float().contiguous(), mapped_query),
-            D=d, COLS=columns, PDL=pdl, launch_pdl=pdl)
-    _launch(_partial_kernel, (batch * kv_heads, n_splits),
-            partial_args(mapped_query, partial, maxima, sums, per_split, packed_splits), build, **constants)
+    if "map" in LAUNCH.kernels:
+        _launch(_map_query_kernel, (batch * q_heads, d // columns),
+                (query, query_map.float().contiguous(), mapped_query), D=d, COLS=columns, PDL=pdl, launch_pdl=pdl)
+    if "partial" in LAUNCH.kernels:
+        _launch(_partial_kernel, (batch * kv_heads, n_splits),
+                partial_args(mapped_query, partial, maxima, sums, per_split, packed_splits), build, **constants)
     if out is None:
         out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
-    _launch(_reduce_kernel, (batch * q_heads, d // columns), (partial, maxima, sums, output_map, out, n_splits), D=d,
-            SPLITS=triton.next_power_of_2(n_splits), COLS=columns, PDL=pdl, launch_pdl=pdl)
+    if "reduce" in LAUNCH.kernels:
+        _launch(_reduce_kernel, (batch * q_heads, d // columns), (partial, maxima, sums, output_map, out, n_splits),
+                D=d, SPLITS=triton.next_power_of_2(n_splits), COLS=columns, PDL=pdl, launch_pdl=pdl)
     return out
 
 
