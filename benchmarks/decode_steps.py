@@ -11,12 +11,8 @@ import argparse
 import statistics
 
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
 
-from kvq.apply import QuantizerBank, kv_geometry
-from kvq.bench import _generate_steps, llama3_8b_like
-from kvq.cache import QuantizedKVCache
-from kvq.quant import QuantSpec
+from kvq.bench import _generate_steps, decode_model_and_caches, llama3_8b_like
 
 
 def main() -> None:
@@ -26,10 +22,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     config = llama3_8b_like()
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.float16).eval()
-    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(config))
-    caches = {"fp16": lambda: DynamicCache(config=config), "kvq": lambda: QuantizedKVCache(bank, config, fused=True)}
+    model, caches = decode_model_and_caches("cuda", config)
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt), device="cuda")
     for make in caches.values():  # warm-up: kernel builds, allocator
         _generate_steps(model, make(), prompt, args.new_tokens)

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
-from kvq.kernels.plan import ROTATION_CODES, KernelPlan
+from kvq.kernels.plan import plan_for
 from kvq.kernels.source import translation_unit
+from kvq.quant.rotated import RotatedQuantizer
+from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Identity
 
 ROTATIONS = {"identity": Identity, "srht": SRHT, "srft": SRFT}
@@ -94,9 +96,11 @@ def histogram(opcodes) -> str:
 
 
 def quantize(args, out: Path) -> None:
-    rotation = ROTATIONS[args.rotation](args.d, 0)
-    signs = getattr(rotation, "signs", torch.ones(args.d))
-    plan = KernelPlan(args.d, args.bits, args.group or args.d, ROTATION_CODES[type(rotation)], signs, None)
+    granularity = "per_group" if args.group else "per_token"
+    inner = ScalarQuantizer(args.bits, granularity, args.group or args.d)
+    plan = plan_for(RotatedQuantizer(ROTATIONS[args.rotation](args.d, 0), inner))
+    if plan is None:
+        raise SystemExit(f"no kernel for d={args.d}, bits={args.bits}, group={args.group}")
     print(assemble(nvrtc_ptx(translation_unit("cuda", plan.defines(), torch.float16, torch.float16)), out))
 
 

@@ -11,7 +11,7 @@ inputs.
 import torch
 
 from kvq import kernels
-from kvq.bench import peak_bandwidth, time_call
+from kvq.bench import peak_bandwidth, quantize_bytes, time_call
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import SRFT, Identity
@@ -22,7 +22,7 @@ THREADS_PER_SM = 384  # three 128-thread blocks (the kernel's launch bounds)
 
 
 def moved_bytes(vectors: int) -> int:
-    return vectors * (2 * D + D // 2 + 4)  # fp16 rows in, int4 codes and one fp32 scale out
+    return quantize_bytes(vectors, D, groups=1)  # per-token: one scale
 
 
 def best_us(fn, replays: int = 3) -> float:

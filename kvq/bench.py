@@ -84,6 +84,11 @@ def copy_bandwidth(device: str, n_bytes: int = 1 << 30) -> float:
     return 2 * n_bytes / time_call(lambda: target.copy_(source), device, repeats=10)
 
 
+def quantize_bytes(vectors: int, d: int, groups: int) -> int:
+    """Bytes an int4 quantize call moves: fp16 rows in, packed codes and fp32 scales out."""
+    return vectors * (d * 2 + d // 2 + 4 * groups)
+
+
 def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int = 32) -> list[dict]:
     x = torch.randn(vectors, d, device=device, dtype=torch.float16)
     peak = peak_bandwidth(device)
@@ -92,7 +97,7 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
                                     ("srft int4 g32 + lambda", "per_group", torch.rand(d) + 0.5)):
         quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, granularity, group), lam)
         groups = 1 if granularity == "per_token" else d // group
-        moved = vectors * (d * 2 + d // 2 + 4 * groups)
+        moved = quantize_bytes(vectors, d, groups)
         fused = time_call(lambda q=quantizer: kernels.encode(q, x), device, graph=True)
         eager = time_call(lambda q=quantizer: kernels.encode(q, x), device)
         reference = time_call(lambda q=quantizer: q.encode(x), device, repeats=5)
@@ -283,23 +288,29 @@ def _decode_rows(model, factories: dict, prompt: torch.Tensor, new_tokens: int, 
              "cache_bytes": _cache_bytes(held[label])} for label in factories]
 
 
-def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32, config=None,
-                 repeats: int = 9) -> dict:
-    """HF generate ms/token per cache at each prompt length (see _decode_rows)."""
+def decode_model_and_caches(device: str, config) -> tuple[torch.nn.Module, dict]:
+    """A random-weight fp16 Llama of `config` on `device`, and factories of the two caches compared:
+    fp16 DynamicCache first (the paired ratios' baseline), then the fused int4 g32 cache."""
     from transformers import DynamicCache, LlamaForCausalLM
 
     from kvq.apply import QuantizerBank, kv_geometry
     from kvq.cache import QuantizedKVCache
     from kvq.quant import QuantSpec
 
-    config = config or llama3_8b_like()
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=torch.float16).eval()
     bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(config))
-    factories = {
+    return model, {
         "fp16 DynamicCache": lambda: DynamicCache(config=config),
         "kvq fused int4 g32": lambda: QuantizedKVCache(bank, config, fused=True),
     }
+
+
+def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32, config=None,
+                 repeats: int = 9) -> dict:
+    """HF generate ms/token per cache at each prompt length (see _decode_rows)."""
+    config = config or llama3_8b_like()
+    model, factories = decode_model_and_caches(device, config)
     skipped = {}
     if _transformers_quantized_cache(config) is None:
         skipped["transformers QuantizedCache int4"] = "no quantization backend (quanto or hqq) installed"
