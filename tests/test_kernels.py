@@ -7,6 +7,7 @@ same body.
 """
 
 import ctypes
+import dataclasses
 import shutil
 import subprocess
 
@@ -16,6 +17,7 @@ from conftest import requires_cuda
 
 from kvq import kernels
 from kvq.bench import random_packed
+from kvq.kernels import decode_attention
 from kvq.kernels.backends import KernelBackend
 from kvq.kernels.decode_attention import _decode_attention_triton, decode_attention_reference, resident_programs
 from kvq.kernels.plan import packed_codes, plan_for, unsupported_reason
@@ -195,27 +197,36 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, bits, group", [
-    (1, 32, 8, 128, 8192, 5, 4, 32),
-    (2, 8, 8, 64, 100, 0, 4, 64),
-    (1, 4, 1, 256, 3000, 15, 8, 256),
-    (1, 14, 2, 64, 1, 1, 4, 32),
-    (3, 9, 3, 64, 517, 16, 4, 16),
+@pytest.mark.parametrize("partial", ["cuda", "triton"])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, bits, group, dtype", [
+    (1, 32, 8, 128, 8192, 5, 4, 32, torch.float32),
+    (2, 8, 8, 64, 100, 0, 4, 64, torch.float32),
+    (1, 4, 1, 256, 3000, 15, 8, 256, torch.float32),
+    (1, 14, 2, 64, 1, 1, 4, 32, torch.float32),
+    (3, 9, 3, 64, 517, 16, 4, 16, torch.float32),
+    # shapes of kernels/decode_attention.cu: 1-4 query heads per KV head, ragged tiles, empty window
+    (2, 16, 4, 128, 3001, 16, 4, 32, torch.float16),
+    (1, 12, 4, 128, 777, 0, 4, 32, torch.bfloat16),
+    (1, 8, 8, 128, 70, 3, 4, 32, torch.float16),
+    (1, 4, 2, 128, 1, 16, 4, 32, torch.float32),
 ])
-def test_triton_decode_attention_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens, window, bits,
-                                                               group):
+def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, bits,
+                                                      group, dtype, monkeypatch):
+    monkeypatch.setattr(decode_attention, "LAUNCH", dataclasses.replace(decode_attention.LAUNCH, partial=partial))
     generator = torch.Generator().manual_seed(tokens)
     keys = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator)
     values = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator)
-    window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).cuda()
+    window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).to("cuda", dtype)
     window_keys, window_values = window_buffer[0, :, :, :window], window_buffer[1, :, :, :window]
-    query = torch.randn(batch, q_heads, d, generator=generator).cuda()
+    query = torch.randn(batch, q_heads, d, generator=generator).to("cuda", dtype)
     rotation, lam = SRFT(d, tokens).matrix(), torch.rand(d, generator=generator) + 0.5
     query_map, output_map = (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda()
     arguments = (query, query_map, keys, values, window_keys, window_values, output_map, d ** -0.5)
     got, expected = _decode_attention_triton(*arguments), decode_attention_reference(*arguments)
     # the second call goes through the compiled kernels' own launchers
     assert torch.equal(_decode_attention_triton(*arguments), got)
-    error = (got - expected).abs().max().item()
-    print(f"B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window} int{bits} g={group}: max abs {error:.2e}")
-    assert error < 2e-3
+    error = (got.float() - expected.float()).abs().max().item()
+    print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window} int{bits} g={group} {dtype}: "
+          f"max abs {error:.2e}")
+    # both outputs are rounded to the query's dtype: up to an ulp apart on top of the kernel's own error
+    assert error < 2e-3 + torch.finfo(dtype).eps * expected.float().abs().max().item()

@@ -49,34 +49,72 @@ class KernelBackend:
         raise NotImplementedError
 
 
-class _CudaLaunch:
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, then a 64-byte value union 8-byte aligned."""
+
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(_LaunchAttribute)),
+                ("attribute_count", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class CudaLaunch:
     """cuLaunchKernel for a function torch.cuda._compile_kernel built. torch's own launcher reopens the
     driver library, makes a ctypes array class and a Stream object at every call: ~80 us of host time
     per launch on the H100 host, paid twice at every window flush of every layer of the fused cache.
-    Tensors pass as pointers, ints as 32-bit unsigned (the kernels' uint parameters)."""
+    Tensors pass as pointers, floats as float, ints as 32-bit unsigned (the kernels' uint parameters)."""
 
     def __init__(self, kernel):
         self.function = kernel.func
         self.driver = torch.cuda._utils._get_gpu_runtime_library()
         self.array_types: dict[int, type] = {}
 
-    def __call__(self, blocks: int, threads: int, args: list) -> None:
-        values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_uint(a) for a in args]
+    def __call__(self, blocks: int | tuple[int, int], threads: int, args: list, programmatic: bool = False) -> None:
+        """programmatic: launched programmatically dependent on the stream's previous kernel (Hopper on),
+        which the kernel must then await itself (griddepcontrol.wait)."""
+        values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+                  else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_uint(a) for a in args]
         array_type = self.array_types.get(len(values))
         if array_type is None:
             array_type = self.array_types[len(values)] = ctypes.c_void_p * len(values)
         pointers = array_type(*(ctypes.addressof(value) for value in values))
-        stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-        status = self.driver.cuLaunchKernel(self.function, blocks, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream),
-                                            pointers, None)
+        stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(args[0].device.index))
+        grid_x, grid_y = blocks if isinstance(blocks, tuple) else (blocks, 1)
+        if not programmatic:
+            self._check(self.driver.cuLaunchKernel(self.function, grid_x, grid_y, 1, threads, 1, 1, 0, stream,
+                                                   pointers, None))
+            return
+        attribute = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        config = _LaunchConfig((ctypes.c_uint * 3)(grid_x, grid_y, 1), (ctypes.c_uint * 3)(threads, 1, 1), 0, stream,
+                               ctypes.pointer(attribute), 1)
+        self._check(self.driver.cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None))
+
+    def resident_blocks(self, threads: int) -> int:
+        """Blocks of `threads` threads one SM holds at once (its registers and shared memory)."""
+        blocks = ctypes.c_int()
+        self._check(self.driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), self.function,
+                                                                            threads, ctypes.c_size_t(0)))
+        return blocks.value
+
+    @staticmethod
+    def _check(status: int) -> None:
         if status:
             torch.cuda._utils._check_cuda(status)
 
 
 @lru_cache(maxsize=64)
-def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, name: str) -> _CudaLaunch:
+def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, name: str) -> CudaLaunch:
     source = translation_unit("cuda", dict(defines), in_dtype, out_dtype)
-    return _CudaLaunch(torch.cuda._compile_kernel(source, name))
+    return CudaLaunch(torch.cuda._compile_kernel(source, name))
 
 
 class CudaBackend(KernelBackend):

@@ -19,8 +19,13 @@ packed sum back before adding the window's, so the window needs no per-step rota
 The step's three kernels (map, partials, reduce) are launched programmatically dependent on Hopper, so
 each one's launch overlaps the kernel before it (_await_previous_kernel).
 
-`decode_attention` dispatches to Triton on CUDA and to `decode_attention_reference` (dequantize to the
-model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
+The partials come from kernels/decode_attention.cu (CUDA, through NVRTC) where the shape fits it: head_dim
+128, int4 K and V in scale groups of 32, at most 4 query heads per KV head (Llama-3-8B's, `kvq bench
+kernels`' shapes); from the Triton _partial_kernel otherwise. Its fragment layouts turn codes into
+tensor-core operands in registers, which Triton's layouts do not allow (see its header).
+
+`decode_attention` dispatches to these kernels on CUDA and to `decode_attention_reference` (dequantize to
+the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
 """
 
 from dataclasses import dataclass
@@ -29,7 +34,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from kvq.kernels.backends import CudaLaunch
 from kvq.kernels.plan import packed_codes
+from kvq.kernels.source import DTYPE_DEFINES, KERNEL_DIR
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarQuantizer
 
@@ -63,6 +70,7 @@ class LaunchConfig:
     # the step's kernels to launch: benchmarks/attention_pieces.py leaves some out to time the rest (the
     # output is then wrong)
     kernels: tuple[str, ...] = ("map", "partial", "reduce")
+    partial: str = "cuda"  # "cuda": kernels/decode_attention.cu where the shape fits; "triton": always Triton
 
 
 LAUNCH = LaunchConfig()
@@ -372,6 +380,26 @@ if triton is not None:
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
+CUDA_PARTIAL_THREADS = 128  # kernels/decode_attention.cu: KVQ_WARPS warps
+
+
+def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values) -> bool:
+    """The shapes kernels/decode_attention.cu is written for (its header), the window in the query's dtype."""
+    return (LAUNCH.partial == "cuda" and keys.bits == values.bits == 4 and keys.head_dim == 128
+            and keys.scales.shape[-1] == values.scales.shape[-1] == 4
+            and query.shape[1] // keys.codes.shape[1] <= 4 and query.dtype in DTYPE_DEFINES
+            and window_keys.dtype == window_values.dtype == query.dtype)
+
+
+@lru_cache(maxsize=8)
+def _cuda_partial_kernel(dtype: torch.dtype, device: torch.device) -> tuple[CudaLaunch, int]:
+    """The CUDA partial kernel for query and window elements of `dtype`, and its programs per SM."""
+    source = f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n" + (KERNEL_DIR / "decode_attention.cu").read_text()
+    with torch.cuda.device(device):
+        kernel = CudaLaunch(torch.cuda._compile_kernel(source, "kvq_decode_partial"))
+    return kernel, kernel.resident_blocks(CUDA_PARTIAL_THREADS)
+
+
 @lru_cache(maxsize=8)
 def _properties(device: torch.device):
     return torch.cuda.get_device_properties(device)
@@ -518,16 +546,26 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
                 partial, maxima, sums, query if lengths is None else lengths,  # unread without lengths
                 n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, float(scale))
 
-    build = _compiled_kernel(_partial_kernel, partial_args(*[torch.float32] * 4, 0, 0), constants)
-    packed_splits, per_split = _split_plan(n_packed if lengths is None else capacity, batch * kv_heads,
-                                           _resident_programs_of(build, query.device), query.device)
+    cuda_partial = _cuda_partial_fits(query, keys, values, window_keys, window_values)
+    if cuda_partial:
+        cuda_kernel, resident = _cuda_partial_kernel(query.dtype, query.device)
+    else:
+        build = _compiled_kernel(_partial_kernel, partial_args(*[torch.float32] * 4, 0, 0), constants)
+        resident = _resident_programs_of(build, query.device)
+    packed_splits, per_split = _split_plan(n_packed if lengths is None else capacity, batch * kv_heads, resident,
+                                           query.device)
     n_splits = packed_splits + 1  # the last program takes the residual window
     mapped_query, partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     columns = min(d, MAP_COLUMNS)
     if "map" in LAUNCH.kernels:
         _launch(_map_query_kernel, (batch * q_heads, d // columns),
                 (query, query_map.float().contiguous(), mapped_query), D=d, COLS=columns, PDL=pdl, launch_pdl=pdl)
-    if "partial" in LAUNCH.kernels:
+    if "partial" in LAUNCH.kernels and cuda_partial:
+        cuda_kernel((batch * kv_heads, n_splits), CUDA_PARTIAL_THREADS, [
+            mapped_query, query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values,
+            partial, maxima, sums, query if lengths is None else lengths, n_packed, n_window, per_split, packed_splits,
+            kv_heads, gqa, capacity, window_capacity, float(scale), int(lengths is not None)], programmatic=pdl)
+    elif "partial" in LAUNCH.kernels:
         _launch(_partial_kernel, (batch * kv_heads, n_splits),
                 partial_args(mapped_query, partial, maxima, sums, per_split, packed_splits), build, **constants)
     if out is None:

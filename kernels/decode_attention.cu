@@ -1,0 +1,468 @@
+// Split-K partials of fused int4 decode attention (kvq.kernels.decode_attention) for head_dim 128, int4
+// K and V with scale groups of 32, and up to 4 query heads per KV head: Open-TQ-Metal Alg. 1 with
+// FlashDecoding's split-K, in tensor-core fragments chosen so that packed codes become mma operands in
+// registers, with no layout change through shared memory (the Triton kernel's 828-instruction loop per
+// 64 tokens spent 40 shared-memory ops on V's and ~100 moves rebuilding the query's; RESULTS.md item 24).
+//
+// Each program is KVQ_WARPS warps on one (batch, KV head) and one split of the packed tokens; its warps
+// take 16-token tiles in turn, each streaming its own tiles through a private cp.async ring, and merge
+// their partial softmaxes at the end. The last split takes the residual window (exact rows) instead.
+//
+// Scores, S = Q K^T (mma m16n8k16, tokens as N): the 16 query rows are (head, scale group) pairs, row r
+// of the lane group r being head r % 4, group 2 (r / 4), row r + 8 the next group, each holding its group's
+// coordinates only, so one product gives every group's share of q . k and each share meets its token's
+// scale in float32. Lane (r, c) holds K's B fragment of token r: k indices 2c, 2c+1, 2c+8, 2c+9 of each
+// 16-wide chunk, which are this lane's 16 code bytes of group c (one 16-byte load), converted nibble pair
+// by nibble pair; the query's fragments are permuted to the same coordinates once per program.
+// Codes enter biased (1032 + n low, 1152 + 16 n high, the high ones' query coordinates divided by 16) and
+// the accumulator starts at minus the query's product with the biases.
+//
+// Output, O^T = V^T P^T (dims as M): the score fragments are exactly P^T's B fragments (lane (r, c): head
+// r % 4, tokens 2c, 2c+1, 2c+8, 2c+9), columns 0-3 the heads under one V scale group, 4-7 under another,
+// the probabilities times that group's scales. V's A fragments pair tokens: one two-source byte permute
+// puts the same code byte of two tokens side by side, so nibbles convert straight into operands. Lane
+// (r, c) keeps the products whose dims lie in its columns' group (r / 4 == c / 2), half its accumulators.
+//
+// Scores are in log2 units (the query carries scale * log2 e); maxima leave in natural units, as the
+// reduce kernel reads them.
+
+typedef unsigned int uint;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+
+#define KVQ_D 128
+#define KVQ_ROW_BYTES 64                  // int4 codes of one token
+#define KVQ_GROUPS 4                      // scale groups of 32 coordinates
+#define KVQ_HEADS 4                       // query rows per group in the fragments
+#define KVQ_TILE 16                       // tokens per warp step
+#define KVQ_WARPS 4
+#ifndef KVQ_STAGES
+#define KVQ_STAGES 3                      // tiles a warp keeps in flight + 1
+#endif
+#ifndef KVQ_MIN_BLOCKS
+#define KVQ_MIN_BLOCKS 4
+#endif
+#define KVQ_CODES_BYTES (KVQ_TILE * KVQ_ROW_BYTES)
+#define KVQ_SCALES_BYTES (KVQ_TILE * KVQ_GROUPS * 4)
+#define KVQ_V_AT KVQ_CODES_BYTES
+#define KVQ_KS_AT (2 * KVQ_CODES_BYTES)
+#define KVQ_VS_AT (KVQ_KS_AT + KVQ_SCALES_BYTES)
+#define KVQ_STAGE_BYTES (KVQ_VS_AT + KVQ_SCALES_BYTES)
+#define KVQ_LOG2E 1.4426950408889634f
+#define KVQ_LN2 0.6931471805599453f
+#define KVQ_FULL 0xFFFFFFFFu
+#define KVQ_NEG_INF __int_as_float(0xFF800000)
+
+#if defined(KVQ_ELEM_FLOAT32)
+typedef float kvq_elem;
+__device__ __forceinline__ float kvq_to_float(float x) { return x; }
+#elif defined(KVQ_ELEM_FLOAT16)
+typedef ushort kvq_elem;
+__device__ __forceinline__ float kvq_to_float(ushort x) {
+    float out;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(x));
+    return out;
+}
+#else
+typedef ushort kvq_elem;
+__device__ __forceinline__ float kvq_to_float(ushort x) { return __uint_as_float((uint)x << 16); }
+#endif
+
+__device__ __forceinline__ uint kvq_prmt(uint a, uint b, uint selector) {
+    uint out;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
+    return out;
+}
+
+__device__ __forceinline__ uint kvq_half2(float low, float high) {
+    uint out;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(high), "f"(low));
+    return out;
+}
+
+__device__ __forceinline__ float kvq_half2_sum(uint pair) {
+    float low, high;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(low), "=f"(high) : "r"(pair));
+    return low + high;
+}
+
+__device__ __forceinline__ float kvq_exp2(float x) {
+    float out;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(out) : "f"(x));
+    return out;
+}
+
+// (lanes & mask) ^ bits in one instruction (written in C, it takes two: LOP3 holds one immediate).
+__device__ __forceinline__ uint kvq_and_xor(uint lanes, uint mask, uint bits) {
+    uint out;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(out) : "r"(lanes), "r"(mask), "r"(bits));
+    return out;
+}
+
+// The low nibbles of two 16-bit lanes, n two's complement, as fp16 1024 + (n ^ 8) = 1032 + n; the high
+// ones as 1024 + 16 (n ^ 8) = 1152 + 16 n.
+__device__ __forceinline__ uint kvq_biased_low(uint lanes) { return kvq_and_xor(lanes, 0x000F000Fu, 0x64086408u); }
+__device__ __forceinline__ uint kvq_biased_high(uint lanes) { return kvq_and_xor(lanes, 0x00F000F0u, 0x64806480u); }
+
+// The same as exact fp16 integers n.
+__device__ __forceinline__ uint kvq_low_nibbles(uint lanes) {
+    uint out;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(out) : "r"(kvq_biased_low(lanes)), "r"(0x64086408u));
+    return out;
+}
+__device__ __forceinline__ uint kvq_high_nibbles(uint lanes) {
+    uint out;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(kvq_biased_high(lanes)), "r"(0x2C002C00u), "r"(0xD480D480u));
+    return out;
+}
+
+// d = a b + d, m16n8k16, fp16 operands, fp32 accumulators.
+__device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint kvq_shared_address(const void* pointer) {
+    uint address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+    return address;
+}
+
+// 16 bytes global -> shared, zero-filled past `bytes`.
+__device__ __forceinline__ void kvq_copy16(uint shared, const void* global, uint bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(bytes) : "memory");
+}
+
+// V's tile rows sit permuted, and their 16-byte chunks swizzled, so that each of the eight 32-bit reads of
+// a step (tokens 2c + e (+ 8), one word per lane) hits 32 distinct banks.
+__device__ __forceinline__ uint kvq_v_row(uint token) { return token ^ ((token >> 1) & 1u); }
+__device__ __forceinline__ uint kvq_v_chunk(uint token, uint chunk) { return chunk ^ ((token >> 2) & 1u); }
+
+// Launched programmatically dependent on the map kernel (a no-op otherwise): waits until it has finished
+// and its writes are visible. Every write of this kernel's outputs comes after it, as the map kernel
+// itself started only once the previous reduce, which reads them, had finished.
+__device__ __forceinline__ void kvq_await_map_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// One lane's share of a tile's copies (five 16-byte chunks): where they go in a stage, and where they come
+// from for the warp's first tile; a warp's next tile lies KVQ_WARPS tiles on.
+struct kvq_copy_plan {
+    const uchar* key;     // codes: K and V chunks `chunk` of tokens `token` and token + 8
+    const uchar* value;
+    const float* scales;  // lanes 0-15: K scales of token lane; 16-31: V scales of token lane - 16
+    uint token, scale_token;
+    uint key_at, value_at, value_next_at, scale_at;  // stage offsets
+};
+
+__device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned long long first_token,
+                                                          const uchar* key_codes, const uchar* value_codes,
+                                                          const float* key_scales, const float* value_scales) {
+    kvq_copy_plan plan;
+    uint chunk = lane % 4;
+    plan.token = lane / 4;
+    plan.scale_token = lane % KVQ_TILE;
+    plan.key = key_codes + (first_token + plan.token) * KVQ_ROW_BYTES + 16 * chunk;
+    plan.value = value_codes + (first_token + plan.token) * KVQ_ROW_BYTES + 16 * chunk;
+    plan.scales = (lane < KVQ_TILE ? key_scales : value_scales) + (first_token + plan.scale_token) * KVQ_GROUPS;
+    plan.key_at = plan.token * KVQ_ROW_BYTES + 16 * chunk;
+    plan.value_at = KVQ_V_AT + kvq_v_row(plan.token) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token, chunk);
+    plan.value_next_at = KVQ_V_AT + kvq_v_row(plan.token + 8) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token + 8, chunk);
+    plan.scale_at = (lane < KVQ_TILE ? KVQ_KS_AT : KVQ_VS_AT) + plan.scale_token * 16;
+    return plan;
+}
+
+// Issues the copies of the warp's i-th tile (its first token `t0`; tokens from `end` on are zero-filled,
+// read from the tile's first row instead) into `stage`.
+__device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint stage, uint i, uint t0, uint end) {
+    unsigned long long step = (unsigned long long)i * KVQ_WARPS * KVQ_TILE;
+    const uchar* key = plan.key + step * KVQ_ROW_BYTES;
+    const uchar* value = plan.value + step * KVQ_ROW_BYTES;
+    const float* scales = plan.scales + step * KVQ_GROUPS;
+    bool valid = t0 + plan.token < end, next_valid = t0 + plan.token + 8 < end;
+    bool scale_valid = t0 + plan.scale_token < end;
+    const uint next = 8 * KVQ_ROW_BYTES;
+    kvq_copy16(stage + plan.key_at, valid ? key : key - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
+    kvq_copy16(stage + plan.key_at + next, next_valid ? key + next : key - plan.token * KVQ_ROW_BYTES,
+               next_valid ? 16 : 0);
+    kvq_copy16(stage + plan.value_at, valid ? value : value - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
+    kvq_copy16(stage + plan.value_next_at, next_valid ? value + next : value - plan.token * KVQ_ROW_BYTES,
+               next_valid ? 16 : 0);
+    kvq_copy16(stage + plan.scale_at, scale_valid ? scales : scales - plan.scale_token * KVQ_GROUPS,
+               scale_valid ? 16 : 0);
+}
+
+__device__ __forceinline__ void kvq_packed_split(
+    uchar* stages, const float* mapped_query, const uchar* key_codes, const float* key_scales,
+    const uchar* value_codes, const float* value_scales, float* partial, float* maxima, float* sums, uint start,
+    uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split, float scale) {
+    uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
+    uint head = r % KVQ_HEADS;
+
+    // The first tiles' copies go out first: the query's setup below runs while they are in flight.
+    uint tiles = end > start ? (end - start + KVQ_TILE - 1) / KVQ_TILE : 0;
+    uint my_tiles = tiles > warp ? (tiles - warp + KVQ_WARPS - 1) / KVQ_WARPS : 0;
+    uchar* ring = stages + warp * KVQ_STAGES * KVQ_STAGE_BYTES;
+    uint ring_address = kvq_shared_address(ring);
+    unsigned long long row = (unsigned long long)bh * capacity;
+    kvq_copy_plan plan = kvq_plan_copies(lane, row + start + KVQ_TILE * warp, key_codes, value_codes, key_scales,
+                                         value_scales);
+#pragma unroll
+    for (uint i = 0; i < KVQ_STAGES - 1; ++i) {
+        if (i < my_tiles) {
+            kvq_issue_tile(plan, ring_address + i * KVQ_STAGE_BYTES, i, start + KVQ_TILE * (warp + KVQ_WARPS * i), end);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    kvq_await_map_kernel();
+    // The query's A fragments: lane (r, c) holds group c's coordinates of row r (c even) or row r + 8 (c
+    // odd) where that row's group is c, zeros otherwise; chunk 2w + e pairs the low nibbles of code bytes
+    // 4w + 2e and 4w + 2e + 1 of the lane's group (coordinates 8w + 4e and + 2) and their high nibbles (+ 1,
+    // + 3).
+    bool live = c / 2 == r / 4 && head < gqa;
+    const float* q = mapped_query + ((unsigned long long)bh * gqa + head) * KVQ_D + 32 * c;
+    float q_scale = scale * KVQ_LOG2E;
+    uint q_low[8], q_high[8];
+    float bias = 0.0f;
+#pragma unroll
+    for (uint chunk = 0; chunk < 8; ++chunk) {
+        uint at = 8 * (chunk / 2) + 4 * (chunk % 2);
+        float4 coords = live ? make_float4(q[at], q[at + 1], q[at + 2], q[at + 3]) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        q_low[chunk] = kvq_half2(coords.x * q_scale, coords.z * q_scale);
+        q_high[chunk] = kvq_half2(coords.y * q_scale * 0.0625f, coords.w * q_scale * 0.0625f);
+        bias += 1032.0f * kvq_half2_sum(q_low[chunk]) + 1152.0f * kvq_half2_sum(q_high[chunk]);
+    }
+    uint zero = 0, own_row = c % 2;
+    uint q_frag[8][4];
+#pragma unroll
+    for (uint chunk = 0; chunk < 8; ++chunk) {
+        q_frag[chunk][0] = own_row == 0 ? q_low[chunk] : zero;
+        q_frag[chunk][1] = own_row == 1 ? q_low[chunk] : zero;
+        q_frag[chunk][2] = own_row == 0 ? q_high[chunk] : zero;
+        q_frag[chunk][3] = own_row == 1 ? q_high[chunk] : zero;
+    }
+    float bias_row = -__shfl_sync(KVQ_FULL, bias, 4 * r + 2 * (r / 4));
+    float bias_next_row = -__shfl_sync(KVQ_FULL, bias, 4 * r + 2 * (r / 4) + 1);
+
+    float acc[2][4][4];
+#pragma unroll
+    for (uint j = 0; j < 2; ++j)
+#pragma unroll
+        for (uint k = 0; k < 4; ++k)
+#pragma unroll
+            for (uint i = 0; i < 4; ++i) acc[j][k][i] = 0.0f;
+    float m = KVQ_NEG_INF, l = 0.0f;
+
+    uint head_a = 2 * (c % 2);  // this lane's accumulator columns: heads head_a, head_a + 1
+    for (uint i = 0; i < my_tiles; ++i) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(KVQ_STAGES - 2) : "memory");
+        __syncwarp();
+        uint ahead = i + KVQ_STAGES - 1;
+        if (ahead < my_tiles) {
+            kvq_issue_tile(plan, ring_address + (ahead % KVQ_STAGES) * KVQ_STAGE_BYTES, ahead,
+                           start + KVQ_TILE * (warp + KVQ_WARPS * ahead), end);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        const uchar* tile = ring + (i % KVQ_STAGES) * KVQ_STAGE_BYTES;
+        uint t0 = start + KVQ_TILE * (warp + KVQ_WARPS * i);
+
+        // scores of tokens r (n-tile 0) and 8 + r (n-tile 1) against all 16 rows
+        float s[2][4];
+#pragma unroll
+        for (uint n = 0; n < 2; ++n) {
+            uint4 codes = *(const uint4*)(tile + (8 * n + r) * KVQ_ROW_BYTES + 16 * c);
+            uint words[4] = {codes.x, codes.y, codes.z, codes.w};
+            s[n][0] = s[n][1] = bias_row;
+            s[n][2] = s[n][3] = bias_next_row;
+#pragma unroll
+            for (uint w = 0; w < 4; ++w) {
+                uint front = kvq_prmt(words[w], 0, 0x4140), back = kvq_prmt(words[w], 0, 0x4342);
+                kvq_mma(s[n], q_frag[2 * w][0], q_frag[2 * w][1], q_frag[2 * w][2], q_frag[2 * w][3],
+                        kvq_biased_low(front), kvq_biased_high(front));
+                kvq_mma(s[n], q_frag[2 * w + 1][0], q_frag[2 * w + 1][1], q_frag[2 * w + 1][2], q_frag[2 * w + 1][3],
+                        kvq_biased_low(back), kvq_biased_high(back));
+            }
+        }
+        // lane (r, c): head r % 4 at tokens 2c, 2c+1 (n-tile 0) and 8 + 2c, 9 + 2c (n-tile 1)
+        float score[4], tile_max = KVQ_NEG_INF;
+        float2 v_scale[4];
+#pragma unroll
+        for (uint n = 0; n < 2; ++n) {
+#pragma unroll
+            for (uint e = 0; e < 2; ++e) {
+                uint token = 8 * n + 2 * c + e;
+                float2 k_scale = *(const float2*)(tile + KVQ_KS_AT + token * 16 + 8 * (r / 4));
+                v_scale[2 * n + e] = *(const float2*)(tile + KVQ_VS_AT + token * 16 + 8 * (r / 4));
+                float share = k_scale.x * s[n][e] + k_scale.y * s[n][2 + e];
+                float full = share + __shfl_xor_sync(KVQ_FULL, share, 16);
+                score[2 * n + e] = t0 + token < end ? full : KVQ_NEG_INF;
+                tile_max = fmaxf(tile_max, score[2 * n + e]);
+            }
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(KVQ_FULL, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(KVQ_FULL, tile_max, 2));
+        float m_new = fmaxf(m, tile_max);
+        float base = m_new == KVQ_NEG_INF ? 0.0f : m_new;
+        float alpha = kvq_exp2(m - base);
+        if (!__all_sync(KVQ_FULL, m_new == m)) {
+            float alpha_a = __shfl_sync(KVQ_FULL, alpha, 4 * head_a), alpha_b = __shfl_sync(KVQ_FULL, alpha, 4 * head_a + 4);
+#pragma unroll
+            for (uint j = 0; j < 2; ++j)
+#pragma unroll
+                for (uint k = 0; k < 4; ++k) {
+                    acc[j][k][0] *= alpha_a;
+                    acc[j][k][1] *= alpha_b;
+                    acc[j][k][2] *= alpha_a;
+                    acc[j][k][3] *= alpha_b;
+                }
+        }
+        m = m_new;
+        float p[4];
+#pragma unroll
+        for (uint t = 0; t < 4; ++t) p[t] = kvq_exp2(score[t] - base);
+        l = l * alpha + (p[0] + p[1] + p[2] + p[3]);
+
+        // P^T's B fragments per V group pair j: columns r: head r % 4 under group 2 (r / 4) + j
+        uint b[2][2];
+        b[0][0] = kvq_half2(p[0] * v_scale[0].x, p[1] * v_scale[1].x);
+        b[0][1] = kvq_half2(p[2] * v_scale[2].x, p[3] * v_scale[3].x);
+        b[1][0] = kvq_half2(p[0] * v_scale[0].y, p[1] * v_scale[1].y);
+        b[1][1] = kvq_half2(p[2] * v_scale[2].y, p[3] * v_scale[3].y);
+#pragma unroll
+        for (uint j = 0; j < 2; ++j) {
+            uint chunk = j + 2 * (r / 4);  // V's group j + 2 (r / 4): code bytes 16 chunk + 4 (r % 4) .. + 3
+            uint word[4];
+#pragma unroll
+            for (uint t = 0; t < 4; ++t) {
+                uint token = 8 * (t / 2) + 2 * c + t % 2;
+                word[t] = *(const uint*)(tile + KVQ_V_AT + kvq_v_row(token) * KVQ_ROW_BYTES +
+                                         kvq_v_chunk(token, chunk) * 16 + 4 * (r % 4));
+            }
+#pragma unroll
+            for (uint k = 0; k < 4; ++k) {
+                uint selector = k | (4 + k) << 8;  // byte k of both tokens into the two 16-bit lanes
+                uint near = kvq_prmt(word[0], word[1], selector), far = kvq_prmt(word[2], word[3], selector);
+                kvq_mma(acc[j][k], kvq_low_nibbles(near), kvq_high_nibbles(near), kvq_low_nibbles(far),
+                        kvq_high_nibbles(far), b[j][0], b[j][1]);
+            }
+        }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+
+    // Merge the warps: each leaves its maxima, sums and own outputs in its ring, then thread (h, 4x) combines
+    // head h's coordinates 4x .. 4x + 3.
+    l += __shfl_xor_sync(KVQ_FULL, l, 1);
+    l += __shfl_xor_sync(KVQ_FULL, l, 2);
+    float* merge = (float*)ring;  // [head][D] outputs, then [head] maxima, then [head] sums
+    if (r / 4 == c / 2) {
+#pragma unroll
+        for (uint j = 0; j < 2; ++j)
+#pragma unroll
+            for (uint k = 0; k < 4; ++k) {
+                uint dim = 2 * (16 * (j + 2 * (r / 4)) + 4 * (r % 4) + k);
+                merge[head_a * KVQ_D + dim] = acc[j][k][0];
+                merge[(head_a + 1) * KVQ_D + dim] = acc[j][k][1];
+                merge[head_a * KVQ_D + dim + 1] = acc[j][k][2];
+                merge[(head_a + 1) * KVQ_D + dim + 1] = acc[j][k][3];
+            }
+    }
+    if (c == 0 && r < KVQ_HEADS) {
+        merge[KVQ_HEADS * KVQ_D + r] = m;
+        merge[KVQ_HEADS * KVQ_D + KVQ_HEADS + r] = l;
+    }
+    __syncthreads();
+    uint h = threadIdx.x / 32, x = 4 * (threadIdx.x % 32);
+    if (h >= gqa) return;
+    float top = KVQ_NEG_INF;
+#pragma unroll
+    for (uint w = 0; w < KVQ_WARPS; ++w) {
+        top = fmaxf(top, ((const float*)(stages + w * KVQ_STAGES * KVQ_STAGE_BYTES))[KVQ_HEADS * KVQ_D + h]);
+    }
+    float4 out = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float total = 0.0f;
+#pragma unroll
+    for (uint w = 0; w < KVQ_WARPS; ++w) {
+        const float* theirs = (const float*)(stages + w * KVQ_STAGES * KVQ_STAGE_BYTES);
+        float their_max = theirs[KVQ_HEADS * KVQ_D + h];
+        float weight = their_max == KVQ_NEG_INF ? 0.0f : kvq_exp2(their_max - top);
+        float4 o = *(const float4*)(theirs + h * KVQ_D + x);
+        out.x += weight * o.x;
+        out.y += weight * o.y;
+        out.z += weight * o.z;
+        out.w += weight * o.w;
+        total += weight * theirs[KVQ_HEADS * KVQ_D + KVQ_HEADS + h];
+    }
+    unsigned long long stat = ((unsigned long long)bh * gqa + h) * n_splits + split;
+    *(float4*)(partial + stat * KVQ_D + x) = out;
+    if (x == 0) {
+        maxima[stat] = top * KVQ_LN2;
+        sums[stat] = total;
+    }
+}
+
+// The residual window (exact rows, at most a few dozen): warp h scores head h against each row in float32.
+// (It needs nothing from the map kernel, but writes what the previous step's reduce may still read.)
+__device__ __forceinline__ void kvq_window_split(const kvq_elem* query, const kvq_elem* window_keys,
+                                                 const kvq_elem* window_values, float* partial, float* maxima,
+                                                 float* sums, uint n_window, uint bh, uint gqa,
+                                                 uint window_capacity, uint n_splits, uint split, float scale) {
+    uint h = threadIdx.x / 32, lane = threadIdx.x % 32;
+    kvq_await_map_kernel();
+    if (h >= gqa) return;
+    unsigned long long head = (unsigned long long)bh * gqa + h;
+    float q[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (uint i = 0; i < 4; ++i) q[i] = kvq_to_float(query[head * KVQ_D + 4 * lane + i]) * scale * KVQ_LOG2E;
+    float m = KVQ_NEG_INF, l = 0.0f;
+    for (uint t = 0; t < n_window; ++t) {
+        unsigned long long at = ((unsigned long long)bh * window_capacity + t) * KVQ_D + 4 * lane;
+        float dot = 0.0f;
+#pragma unroll
+        for (uint i = 0; i < 4; ++i) dot += q[i] * kvq_to_float(window_keys[at + i]);
+#pragma unroll
+        for (uint offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(KVQ_FULL, dot, offset);
+        float m_new = fmaxf(m, dot);
+        float alpha = kvq_exp2(m - m_new), p = kvq_exp2(dot - m_new);
+        l = l * alpha + p;
+#pragma unroll
+        for (uint i = 0; i < 4; ++i) o[i] = o[i] * alpha + p * kvq_to_float(window_values[at + i]);
+        m = m_new;
+    }
+    unsigned long long stat = head * n_splits + split;
+    *(float4*)(partial + stat * KVQ_D + 4 * lane) = make_float4(o[0], o[1], o[2], o[3]);
+    if (lane == 0) {
+        maxima[stat] = m * KVQ_LN2;
+        sums[stat] = l;
+    }
+}
+
+// Grid (batch * KV heads, splits), KVQ_WARPS warps. Buffers as the Triton partial kernel's: codes and scales
+// (B, Hkv, capacity, .), windows (B, Hkv, window_capacity, D), query and mapped query (B, Hq, D), partials
+// (B, Hq, splits, D) and (B, Hq, splits). With device_lengths the token counts come from `lengths`
+// (packed << 32 | window).
+extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq_decode_partial(
+    const float* mapped_query, const kvq_elem* query, const uchar* key_codes, const float* key_scales,
+    const uchar* value_codes, const float* value_scales, const kvq_elem* window_keys, const kvq_elem* window_values,
+    float* partial, float* maxima, float* sums, const long long* lengths, uint n_packed, uint n_window,
+    uint tokens_per_split, uint n_packed_splits, uint kv_heads, uint gqa, uint capacity, uint window_capacity,
+    float scale, uint device_lengths) {
+    __shared__ __align__(16) uchar stages[KVQ_WARPS * KVQ_STAGES * KVQ_STAGE_BYTES];
+    // Programmatic dependent launch: the next kernel may launch now. This one reads the mapped query only
+    // after kvq_await_map_kernel, but the cache before it: what wrote the cache ran before the map kernel.
+    asm volatile("griddepcontrol.launch_dependents;");
+    if (device_lengths) {
+        long long counts = *lengths;
+        n_packed = (uint)(counts >> 32);
+        n_window = (uint)(counts & 0xFFFFFFFF);
+    }
+    uint bh = blockIdx.x, split = blockIdx.y;
+    if (split < n_packed_splits) {
+        uint start = split * tokens_per_split, end = min(start + tokens_per_split, n_packed);
+        kvq_packed_split(stages, mapped_query, key_codes, key_scales, value_codes, value_scales, partial, maxima, sums,
+                         start, end, bh, gqa, capacity, gridDim.y, split, scale);
+    } else {
+        kvq_window_split(query, window_keys, window_values, partial, maxima, sums, n_window, bh, gqa,
+                         window_capacity, gridDim.y, split, scale);
+    }
+}
