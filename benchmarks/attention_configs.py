@@ -1,4 +1,5 @@
-"""Sweep the fused decode attention's launch choices on a GPU and print us/step per configuration.
+"""Sweep the Triton decode attention's launch choices on a GPU and print us/step per configuration (with the
+Triton partial kernel throughout, also where kernels/decode_attention.cu would serve).
 
     python benchmarks/attention_configs.py --context 32768
 
@@ -30,7 +31,7 @@ def main() -> None:
         step = partial(decode_attention.decode_attention, query, maps)
         tail = (window, window, maps.T, 128 ** -0.5)
         for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4), (1, 2, 3, 4, 5), (None, 2, 4, 8)):
-            decode_attention.LAUNCH = decode_attention.LaunchConfig(block, warps, stages, waves)
+            decode_attention.LAUNCH = decode_attention.LaunchConfig(block, warps, stages, waves, partial="triton")
             try:
                 seconds = time_per_layer(lambda k, v, step=step, tail=tail: step(k, v, *tail), caches, "cuda")
             except Exception as error:  # a configuration that does not fit is skipped, and said so

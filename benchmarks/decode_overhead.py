@@ -75,7 +75,7 @@ def main() -> None:
         "kvq FusedLayer.update (flush, 1 in 16 steps)": lambda: (setattr(layer, "count", 15), layer.update(*token)),
         "kvq FusedLayer.attend (capture: 1st step, growth)": lambda: (setattr(layer, "decode_graph", DecodeGraph()),
                                                                     layer.attend(query, 128 ** -0.5)),
-        "  decode_attention eager (3 Triton launches)": lambda: decode_attention.decode_attention(
+        "  decode_attention eager (3 launches)": lambda: decode_attention.decode_attention(
             query.squeeze(-2), layer.maps.query, keys, values, window, window, layer.maps.output, 128 ** -0.5),
     }
     for name, fn in pieces.items():

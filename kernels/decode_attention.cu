@@ -451,10 +451,10 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
     // Programmatic dependent launch: the next kernel may launch now. This one reads the mapped query only
     // after kvq_await_map_kernel, but the cache before it: what wrote the cache ran before the map kernel.
     asm volatile("griddepcontrol.launch_dependents;");
-    if (device_lengths) {
+    if (device_lengths) {  // never past the buffers, whatever the device holds
         long long counts = *lengths;
-        n_packed = (uint)(counts >> 32);
-        n_window = (uint)(counts & 0xFFFFFFFF);
+        n_packed = min((uint)(counts >> 32), capacity);
+        n_window = min((uint)(counts & 0xFFFFFFFF), window_capacity);
     }
     uint bh = blockIdx.x, split = blockIdx.y;
     if (split < n_packed_splits) {

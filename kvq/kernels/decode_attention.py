@@ -70,7 +70,8 @@ class LaunchConfig:
     # the step's kernels to launch: benchmarks/attention_pieces.py leaves some out to time the rest (the
     # output is then wrong)
     kernels: tuple[str, ...] = ("map", "partial", "reduce")
-    partial: str = "cuda"  # "cuda": kernels/decode_attention.cu where the shape fits; "triton": always Triton
+    # "cuda": kernels/decode_attention.cu's partial kernel where the shape and length fit; "triton": always Triton
+    partial: str = "cuda"
 
 
 LAUNCH = LaunchConfig()
@@ -381,11 +382,16 @@ if triton is not None:
 
 
 CUDA_PARTIAL_THREADS = 128  # kernels/decode_attention.cu: KVQ_WARPS warps
+# Fewest tokens (split over) for which the CUDA partial kernel serves: on the H100 it took 24.2-24.6 us per
+# step at 32K tokens against Triton's 26.8-27.1, but 14.9 against 13.8 at 8K (RESULTS.md item 26).
+CUDA_PARTIAL_MIN_TOKENS = 16384
 
 
-def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values) -> bool:
-    """The shapes kernels/decode_attention.cu is written for (its header), the window in the query's dtype."""
-    return (LAUNCH.partial == "cuda" and keys.bits == values.bits == 4 and keys.head_dim == 128
+def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values, tokens: int) -> bool:
+    """The shapes kernels/decode_attention.cu is written for (its header), the window in the query's dtype,
+    and a sequence long enough for it to be the faster."""
+    return (LAUNCH.partial == "cuda" and tokens >= CUDA_PARTIAL_MIN_TOKENS and keys.bits == values.bits == 4
+            and keys.head_dim == 128
             and keys.scales.shape[-1] == values.scales.shape[-1] == 4
             and query.shape[1] // keys.codes.shape[1] <= 4 and query.dtype in DTYPE_DEFINES
             and window_keys.dtype == window_values.dtype == query.dtype)
@@ -546,14 +552,14 @@ def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV,
                 partial, maxima, sums, query if lengths is None else lengths,  # unread without lengths
                 n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, float(scale))
 
-    cuda_partial = _cuda_partial_fits(query, keys, values, window_keys, window_values)
+    tokens = n_packed if lengths is None else capacity
+    cuda_partial = _cuda_partial_fits(query, keys, values, window_keys, window_values, tokens)
     if cuda_partial:
         cuda_kernel, resident = _cuda_partial_kernel(query.dtype, query.device)
     else:
         build = _compiled_kernel(_partial_kernel, partial_args(*[torch.float32] * 4, 0, 0), constants)
         resident = _resident_programs_of(build, query.device)
-    packed_splits, per_split = _split_plan(n_packed if lengths is None else capacity, batch * kv_heads, resident,
-                                           query.device)
+    packed_splits, per_split = _split_plan(tokens, batch * kv_heads, resident, query.device)
     n_splits = packed_splits + 1  # the last program takes the residual window
     mapped_query, partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     columns = min(d, MAP_COLUMNS)
@@ -636,14 +642,17 @@ class DecodeGraph:
         self.graph = None  # frees the old graph before the new one is instantiated
         self.query = torch.empty_like(query)
         self.out = torch.empty_like(query)
-        # what the device holds before a replay (see __call__); the eager run below only compiles
-        self.lengths = torch.full((1,), counts - 1, dtype=torch.int64, device=query.device)
-        self.written_lengths = counts - 1
+        # The eager run below, which compiles the kernels and allocates the workspace outside the capture,
+        # reads the true counts; a replay finds them less one token (see __call__), which after a flush that
+        # left the window empty is no count at all (the window's borrows from the packed).
+        self.lengths = torch.full((1,), counts, dtype=torch.int64, device=query.device)
 
         def run():
             _decode_attention_triton(self.query, *arguments[1:], lengths=self.lengths, out=self.out)
 
-        run()  # compiles the kernels and allocates the workspace outside the capture
+        run()
+        self.lengths.fill_(counts - 1)
+        self.written_lengths = counts - 1
         # torch.cuda.graph() would also synchronize, collect garbage and empty the allocator's cache at
         # every capture; a side stream that waits on this one is all a capture needs.
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(query.device)
