@@ -4,10 +4,12 @@ counts, and the opcodes of each loop. What RESULTS.md items 23 and 24 cite as th
     pip install triton==3.6.0 nvidia-cuda-nvrtc-cu12   # Triton's wheel carries ptxas and nvdisasm
     python benchmarks/offline_sass.py quantize --rotation srft --bits 4 --group 128
     python benchmarks/offline_sass.py attention --stages 4 --warps 2
+    python benchmarks/offline_sass.py cuda-attention
 
 `quantize` builds kvq_quantize / kvq_dequantize from kernels/ with NVRTC, as the CUDA backend does (for
-fp16 vectors); `attention` builds the decode partial kernel at `kvq bench kernels`' shapes (32 query / 8
-KV heads, d=128, int4 g32). --out keeps the PTX, cubin and SASS.
+fp16 vectors); `attention` builds the Triton decode partial kernel at `kvq bench kernels`' shapes (32 query
+/ 8 KV heads, d=128, int4 g32); `cuda-attention` builds kernels/decode_attention.cu, the CUDA partial
+kernel that serves those shapes from 16K tokens, for an fp16 query. --out keeps the PTX, cubin and SASS.
 """
 
 import argparse
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kvq.kernels.plan import plan_for
-from kvq.kernels.source import translation_unit
+from kvq.kernels.source import KERNEL_DIR, translation_unit
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Identity
@@ -130,6 +132,10 @@ def attention(args, out: Path) -> None:
     print(" ".join(re.findall(r"REG:\d+|STACK:\d+", usage)), f"shared {build.metadata.shared} bytes")
 
 
+def cuda_attention(args, out: Path) -> None:
+    print(assemble(nvrtc_ptx("#define KVQ_ELEM_FLOAT16 1\n" + (KERNEL_DIR / "decode_attention.cu").read_text()), out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, help="keep the PTX, cubin and SASS here")
@@ -143,11 +149,12 @@ def main() -> None:
     attention_parser.add_argument("--block", type=int, default=64)
     attention_parser.add_argument("--warps", type=int, default=2)
     attention_parser.add_argument("--stages", type=int, default=4)
+    kinds.add_parser("cuda-attention")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         out = args.out or Path(scratch)
         out.mkdir(parents=True, exist_ok=True)
-        {"quantize": quantize, "attention": attention}[args.kind](args, out)
+        {"quantize": quantize, "attention": attention, "cuda-attention": cuda_attention}[args.kind](args, out)
         for name, body in functions((out / "kvq.sass").read_text()).items():
             summarize(name, body)
 

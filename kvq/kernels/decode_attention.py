@@ -382,8 +382,8 @@ if triton is not None:
 
 
 CUDA_PARTIAL_THREADS = 128  # kernels/decode_attention.cu: KVQ_WARPS warps
-# Fewest tokens (split over) for which the CUDA partial kernel serves: on the H100 it took 24.2-24.6 us per
-# step at 32K tokens against Triton's 26.8-27.1, but 14.9 against 13.8 at 8K (RESULTS.md item 26).
+# Fewest tokens (split over) for which the CUDA partial kernel serves: on the H100 it took 24.2-24.7 us per
+# step at 32K tokens against Triton's 27.0-27.1, but 14.9-15.0 against 13.8 at 8K (RESULTS.md item 26).
 CUDA_PARTIAL_MIN_TOKENS = 16384
 
 
