@@ -48,6 +48,22 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
     assert "head_dim" in unsupported_reason(quantizer("srft", 96))
 
 
+@pytest.mark.parametrize("d, group, q_heads, tokens, window_dtype, fits", [
+    (128, 32, 32, 16384, torch.float16, True),  # Llama-3-8B's shapes, from 16K tokens
+    (128, 32, 32, 8192, torch.float16, False),  # shorter: Triton was the faster
+    (128, 32, 8, 65536, torch.float16, True),  # one query head per KV head
+    (64, 32, 16, 65536, torch.float16, False),  # head_dim 64: the kernel's layouts are for 128
+    (128, 128, 32, 65536, torch.float16, False),  # per-token scales
+    (128, 32, 56, 65536, torch.float16, False),  # 7 query heads per KV head: more rows than the fragments
+    (128, 32, 32, 65536, torch.float32, False),  # window in another dtype than the query
+])
+def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, tokens, window_dtype, fits):
+    keys = random_packed(1, 8, 4, d, 4, group, "cpu")
+    query = torch.zeros(1, q_heads, d, dtype=torch.float16)
+    window = torch.zeros(1, 8, 2, d, dtype=window_dtype)
+    assert decode_attention._cuda_partial_fits(query, keys, keys, window, window, tokens) == fits
+
+
 @pytest.mark.parametrize("registers, shared, warps, expected", [
     (255, 22528, 2, 4),  # 8192 registers per warp (256-register granules): 4 x 2 warps fill 65536
     (167, 43008, 2, 5),  # registers would allow 6; shared memory, 43008 + 1024 reserved each, allows 5
