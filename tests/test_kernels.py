@@ -19,7 +19,7 @@ from kvq import kernels
 from kvq.bench import random_packed
 from kvq.kernels import decode_attention
 from kvq.kernels.backends import KernelBackend
-from kvq.kernels.decode_attention import _decode_attention_triton, decode_attention_reference, resident_programs
+from kvq.kernels.decode_attention import _decode_attention_gpu, decode_attention_reference, resident_programs
 from kvq.kernels.plan import packed_codes, plan_for, unsupported_reason
 from kvq.kernels.source import translation_unit
 from kvq.quant.packing import unpack
@@ -239,9 +239,9 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     rotation, lam = SRFT(d, tokens).matrix(), torch.rand(d, generator=generator) + 0.5
     query_map, output_map = (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda()
     arguments = (query, query_map, keys, values, window_keys, window_values, output_map, d ** -0.5)
-    got, expected = _decode_attention_triton(*arguments), decode_attention_reference(*arguments)
+    got, expected = _decode_attention_gpu(*arguments), decode_attention_reference(*arguments)
     # the second call goes through the compiled kernels' own launchers
-    assert torch.equal(_decode_attention_triton(*arguments), got)
+    assert torch.equal(_decode_attention_gpu(*arguments), got)
     error = (got.float() - expected.float()).abs().max().item()
     print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window} int{bits} g={group} {dtype}: "
           f"max abs {error:.2e}")

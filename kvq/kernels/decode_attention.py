@@ -19,10 +19,11 @@ packed sum back before adding the window's, so the window needs no per-step rota
 The step's three kernels (map, partials, reduce) are launched programmatically dependent on Hopper, so
 each one's launch overlaps the kernel before it (_await_previous_kernel).
 
-The partials come from kernels/decode_attention.cu (CUDA, through NVRTC) where the shape fits it: head_dim
-128, int4 K and V in scale groups of 32, at most 4 query heads per KV head (Llama-3-8B's, `kvq bench
-kernels`' shapes); from the Triton _partial_kernel otherwise. Its fragment layouts turn codes into
-tensor-core operands in registers, which Triton's layouts do not allow (see its header).
+The partials come from kernels/decode_attention.cu (CUDA, through NVRTC) where the shape fits it (head_dim
+128, int4 K and V in scale groups of 32, at most 4 query heads per KV head: Llama-3-8B's, `kvq bench
+kernels`' shapes) and the sequence is long enough for it to be the faster (CUDA_PARTIAL_MIN_TOKENS); from
+the Triton _partial_kernel otherwise. Its fragment layouts turn codes into tensor-core operands in
+registers, which Triton's layouts do not allow (see its header).
 
 `decode_attention` dispatches to these kernels on CUDA and to `decode_attention_reference` (dequantize to
 the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
@@ -126,7 +127,7 @@ def decode_attention(query, query_map, keys: PackedKV, values: PackedKV, window_
                      scale: float):
     arguments = (query, query_map, keys, values, window_keys, window_values, output_map, scale)
     if supported(keys, values, query.shape[1]):
-        return _decode_attention_triton(*arguments)
+        return _decode_attention_gpu(*arguments)
     return decode_attention_reference(*arguments)
 
 
@@ -523,7 +524,7 @@ def device_lengths(n_packed: int, n_window: int) -> int:
     return n_packed << 32 | n_window
 
 
-def _decode_attention_triton(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values,
+def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values,
                              output_map, scale, lengths: torch.Tensor | None = None,
                              out: torch.Tensor | None = None):
     """With `lengths` (a one-element int64 CUDA tensor holding device_lengths(...)) the kernels read the
@@ -648,7 +649,7 @@ class DecodeGraph:
         self.lengths = torch.full((1,), counts, dtype=torch.int64, device=query.device)
 
         def run():
-            _decode_attention_triton(self.query, *arguments[1:], lengths=self.lengths, out=self.out)
+            _decode_attention_gpu(self.query, *arguments[1:], lengths=self.lengths, out=self.out)
 
         run()
         self.lengths.fill_(counts - 1)
