@@ -230,7 +230,8 @@ __device__ __forceinline__ void kvq_packed_split(
 #pragma unroll
     for (uint chunk = 0; chunk < 8; ++chunk) {
         uint at = 8 * (chunk / 2) + 4 * (chunk % 2);
-        float4 coords = live ? make_float4(q[at], q[at + 1], q[at + 2], q[at + 3]) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 coords = live ? make_float4(q[at], q[at + 1], q[at + 2], q[at + 3])
+                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         q_low[chunk] = kvq_half2(coords.x * q_scale, coords.z * q_scale);
         q_high[chunk] = kvq_half2(coords.y * q_scale * 0.0625f, coords.w * q_scale * 0.0625f);
         bias += 1032.0f * kvq_half2_sum(q_low[chunk]) + 1152.0f * kvq_half2_sum(q_high[chunk]);
@@ -308,7 +309,8 @@ __device__ __forceinline__ void kvq_packed_split(
         float base = m_new == KVQ_NEG_INF ? 0.0f : m_new;
         float alpha = kvq_exp2(m - base);
         if (!__all_sync(KVQ_FULL, m_new == m)) {
-            float alpha_a = __shfl_sync(KVQ_FULL, alpha, 4 * head_a), alpha_b = __shfl_sync(KVQ_FULL, alpha, 4 * head_a + 4);
+            float alpha_a = __shfl_sync(KVQ_FULL, alpha, 4 * head_a);
+            float alpha_b = __shfl_sync(KVQ_FULL, alpha, 4 * head_a + 4);
 #pragma unroll
             for (uint j = 0; j < 2; ++j)
 #pragma unroll
