@@ -36,14 +36,10 @@ typedef unsigned short ushort;
 #define KVQ_HEADS 4                       // query rows per group in the fragments
 #define KVQ_TILE 16                       // tokens per warp step
 #define KVQ_WARPS 4
-// A sweep may define these two (RESULTS.md item 26: 3 stages were the fastest of 2-4 at 32K tokens, 2 by
-// 1-4% at 8K and 128K; launch bounds for 3 programs per SM lost to 4).
-#ifndef KVQ_STAGES
+// RESULTS.md item 26's sweep: 3 stages were the fastest of 2-4 at 32K tokens, 2 by 1-4% at 8K and 128K;
+// launch bounds for 3 programs per SM lost to 4.
 #define KVQ_STAGES 3                      // tiles a warp keeps in flight + 1
-#endif
-#ifndef KVQ_MIN_BLOCKS
 #define KVQ_MIN_BLOCKS 4
-#endif
 #define KVQ_CODES_BYTES (KVQ_TILE * KVQ_ROW_BYTES)
 #define KVQ_SCALES_BYTES (KVQ_TILE * KVQ_GROUPS * 4)
 #define KVQ_V_AT KVQ_CODES_BYTES

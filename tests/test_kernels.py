@@ -245,5 +245,7 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     error = (got.float() - expected.float()).abs().max().item()
     print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window} int{bits} g={group} {dtype}: "
           f"max abs {error:.2e}")
-    # both outputs are rounded to the query's dtype: up to an ulp apart on top of the kernel's own error
-    assert error < 2e-3 + torch.finfo(dtype).eps * expected.float().abs().max().item()
+    # fp16 and bf16 outputs are both rounded to the query's dtype: up to an ulp apart on top of the kernel's
+    # own error; fp32 keeps the bare bound
+    rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps * expected.float().abs().max().item()
+    assert error < 2e-3 + rounding

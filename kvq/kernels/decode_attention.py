@@ -525,8 +525,7 @@ def device_lengths(n_packed: int, n_window: int) -> int:
 
 
 def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, window_keys, window_values,
-                             output_map, scale, lengths: torch.Tensor | None = None,
-                             out: torch.Tensor | None = None):
+                          output_map, scale, lengths: torch.Tensor | None = None, out: torch.Tensor | None = None):
     """With `lengths` (a one-element int64 CUDA tensor holding device_lengths(...)) the kernels read the
     token counts from the device and split the buffers' whole capacity, so one launch sequence, captured
     once, serves every length up to it (DecodeGraph); the views' own lengths are then ignored."""
