@@ -216,6 +216,7 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
 @pytest.mark.parametrize("partial", ["cuda", "triton"])
 @pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, bits, group, dtype", [
     (1, 32, 8, 128, 8192, 5, 4, 32, torch.float32),
+    (1, 32, 8, 128, 32768, 8, 4, 32, torch.float16),  # `kvq bench kernels`' 32K step
     (2, 8, 8, 64, 100, 0, 4, 64, torch.float32),
     (1, 4, 1, 256, 3000, 15, 8, 256, torch.float32),
     (1, 14, 2, 64, 1, 1, 4, 32, torch.float32),

@@ -383,8 +383,9 @@ if triton is not None:
 
 
 CUDA_PARTIAL_THREADS = 128  # kernels/decode_attention.cu: KVQ_WARPS warps
-# Fewest tokens (split over) for which the CUDA partial kernel serves: on the H100 it took 24.2-24.7 us per
-# step at 32K tokens against Triton's 27.0-27.1, but 14.9-15.0 against 13.8 at 8K (RESULTS.md item 26).
+# Fewest tokens (split over) for which the CUDA partial kernel serves: on the H100 it took 18.1-18.2 us per
+# step at 16K tokens against Triton's 19.1-19.2 (RESULTS.md item 27) and 24.2-24.7 against 27.0-27.1 at 32K,
+# but 14.9-15.0 against 13.8 at 8K (item 26).
 CUDA_PARTIAL_MIN_TOKENS = 16384
 
 

@@ -1,0 +1,109 @@
+"""When each program of the CUDA partial kernel (kernels/decode_attention.cu) starts, is released by the map
+kernel, ends its tile loop and writes its partial, inside `kvq bench kernels`' replayed decode steps.
+
+    python benchmarks/attention_timeline.py --context 32768 131072
+
+A copy of the kernel is built with %globaltimer reads (32 ns steps on the H100) stored per program; the
+graph-replayed step of `kvq bench kernels` (4 layers' caches back to back) then runs it in place of the
+library's. Per layer: programs, and minimum / median / maximum (loop ends and ends also the 90th
+percentile) in us from the first program's start, over the packed programs; the window program's start.
+The gap from one layer's last end to the next layer's release is the reduce and map kernels between them.
+"""
+
+import argparse
+
+import torch
+
+from kvq.bench import attention_step, time_per_layer
+from kvq.kernels import decode_attention
+from kvq.kernels.backends import CudaLaunch
+from kvq.kernels.source import DTYPE_DEFINES, KERNEL_DIR
+
+STAMPS = 8  # per program: start, released, 4 warps' loop ends, end, unused
+TIMER = ('__device__ __forceinline__ unsigned long long kvq_now() { unsigned long long t; '
+         'asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }\n')
+EDITS = [  # (anchor in kernels/decode_attention.cu, what replaces it)
+    ("typedef unsigned int uint;", "typedef unsigned int uint;\n" + TIMER),
+    ("float scale, uint device_lengths) {",
+     "float scale, uint device_lengths, unsigned long long* trace) {\n"
+     f"    unsigned long long* stamps = trace + {STAMPS} * (blockIdx.y * gridDim.x + blockIdx.x);\n"
+     "    if (threadIdx.x == 0) stamps[0] = kvq_now();"),
+    ("    kvq_await_map_kernel();\n    // The query's A",
+     "    kvq_await_map_kernel();\n    if (threadIdx.x == 0) stamps[1] = kvq_now();\n    // The query's A"),
+    ('    asm volatile("cp.async.wait_all;" ::: "memory");\n',
+     '    asm volatile("cp.async.wait_all;" ::: "memory");\n'
+     "    if (threadIdx.x % 32 == 0) stamps[2 + warp] = kvq_now();\n"),
+    ("    if (x == 0) {\n        maxima[stat] = top * KVQ_LN2;",
+     "    if (x == 0) stamps[6] = kvq_now();\n    if (x == 0) {\n        maxima[stat] = top * KVQ_LN2;"),
+    ("uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split, float scale) {",
+     "uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split, float scale, "
+     "unsigned long long* stamps) {"),
+    ("start, end, bh, gqa, capacity, gridDim.y, split, scale);",
+     "start, end, bh, gqa, capacity, gridDim.y, split, scale, stamps);"),
+]
+
+
+def timed_source() -> str:
+    source = (KERNEL_DIR / "decode_attention.cu").read_text()
+    for anchor, replacement in EDITS:
+        if source.count(anchor) != 1:
+            raise SystemExit(f"kernels/decode_attention.cu changed: update EDITS for {anchor!r}")
+        source = source.replace(anchor, replacement)
+    return source
+
+
+class TimedKernel:
+    """The timed build, launched with the next layer's stamp buffer appended to its arguments."""
+
+    def __init__(self, kernel: CudaLaunch, buffers: list[torch.Tensor]):
+        self.kernel, self.buffers, self.launches = kernel, buffers, 0
+
+    def __call__(self, grid, threads, args, programmatic=False):
+        buffer = self.buffers[self.launches % len(self.buffers)]
+        self.launches += 1
+        self.kernel(grid, threads, [*args, buffer], programmatic=programmatic)
+
+
+def percentiles(values: list[int], at=(0.0, 0.5, 1.0)) -> str:
+    ordered = sorted(values)
+    return "/".join(f"{ordered[int(p * (len(ordered) - 1))] / 1e3:.2f}" for p in at)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, nargs="+", default=[32768])
+    args = parser.parse_args()
+    source = timed_source()
+    decode_attention.CUDA_PARTIAL_MIN_TOKENS = 0
+    for tokens in args.context:
+        _, caches, _, step = attention_step("cuda", tokens, 32, 8, 128, 32)
+        buffers = [torch.zeros(STAMPS * 8 * 256, dtype=torch.int64, device="cuda") for _ in caches]
+        built = {}
+
+        def timed_kernel(dtype, device, buffers=buffers, built=built):
+            if dtype not in built:
+                with torch.cuda.device(device):
+                    kernel = CudaLaunch(torch.cuda._compile_kernel(
+                        f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n" + source, "kvq_decode_partial"))
+                resident = kernel.resident_blocks(decode_attention.CUDA_PARTIAL_THREADS)
+                built[dtype] = (TimedKernel(kernel, buffers), resident)
+            return built[dtype]
+
+        decode_attention._cuda_partial_kernel = timed_kernel
+        steps = [time_per_layer(step, caches, "cuda") * 1e6 for _ in range(3)]
+        print(f"T={tokens}: step " + " / ".join(f"{t:.2f}" for t in steps) + " us (the last replay's stamps):")
+        layers = [b.view(-1, STAMPS).cpu() for b in buffers]  # kept from the last graph replay
+        origin = min(int(stamps[stamps[:, 0] > 0, 0].min()) for stamps in layers)
+        window_programs = 8  # the grid's last row: batch 1 x 8 KV heads
+        for index, stamps in enumerate(layers):
+            stamps = stamps[stamps[:, 0] > 0] - origin
+            packed = stamps[:-window_programs]
+            print(f"  layer {index}: programs {stamps.shape[0]}; start {percentiles(packed[:, 0].tolist())}; "
+                  f"released {percentiles(packed[:, 1].tolist())}; "
+                  f"loop done {percentiles(packed[:, 2:6].max(1).values.tolist(), (0.0, 0.5, 0.9, 1.0))}; "
+                  f"end {percentiles(packed[:, 6].tolist(), (0.0, 0.5, 0.9, 1.0))}; "
+                  f"window start {stamps[-window_programs:, 0].min().item() / 1e3:.2f} us")
+
+
+if __name__ == "__main__":
+    main()
