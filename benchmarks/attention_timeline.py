@@ -11,13 +11,14 @@ The gap from one layer's last end to the next layer's release is the reduce and 
 """
 
 import argparse
+import math
 
 import torch
 
 from kvq.bench import attention_step, time_per_layer
 from kvq.kernels import decode_attention
 from kvq.kernels.backends import CudaLaunch
-from kvq.kernels.source import DTYPE_DEFINES, KERNEL_DIR
+from kvq.kernels.source import KERNEL_DIR
 
 STAMPS = 8  # per program: start, released, 4 warps' loop ends, end, unused
 TIMER = ('__device__ __forceinline__ unsigned long long kvq_now() { unsigned long long t; '
@@ -82,10 +83,8 @@ def main() -> None:
 
         def timed_kernel(dtype, device, buffers=buffers, built=built):
             if dtype not in built:
-                with torch.cuda.device(device):
-                    kernel = CudaLaunch(torch.cuda._compile_kernel(
-                        f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n" + source, "kvq_decode_partial"))
-                resident = kernel.resident_blocks(decode_attention.CUDA_PARTIAL_THREADS)
+                kernel, resident = decode_attention.build_cuda_partial(
+                    decode_attention.cuda_partial_source(dtype, source), device)
                 built[dtype] = (TimedKernel(kernel, buffers), resident)
             return built[dtype]
 
@@ -94,7 +93,7 @@ def main() -> None:
         print(f"T={tokens}: step " + " / ".join(f"{t:.2f}" for t in steps) + " us (the last replay's stamps):")
         layers = [b.view(-1, STAMPS).cpu() for b in buffers]  # kept from the last graph replay
         origin = min(int(stamps[stamps[:, 0] > 0, 0].min()) for stamps in layers)
-        window_programs = 8  # the grid's last row: batch 1 x 8 KV heads
+        window_programs = math.prod(caches[0][0].codes.shape[:2])  # the grid's last row: batch x KV heads
         for index, stamps in enumerate(layers):
             stamps = stamps[stamps[:, 0] > 0] - origin
             packed = stamps[:-window_programs]

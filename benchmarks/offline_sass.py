@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from kvq.kernels.decode_attention import cuda_partial_source
 from kvq.kernels.plan import plan_for
-from kvq.kernels.source import KERNEL_DIR, translation_unit
+from kvq.kernels.source import translation_unit
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Identity
@@ -133,7 +134,7 @@ def attention(args, out: Path) -> None:
 
 
 def cuda_attention(args, out: Path) -> None:
-    print(assemble(nvrtc_ptx("#define KVQ_ELEM_FLOAT16 1\n" + (KERNEL_DIR / "decode_attention.cu").read_text()), out))
+    print(assemble(nvrtc_ptx(cuda_partial_source(torch.float16)), out))
 
 
 def main() -> None:

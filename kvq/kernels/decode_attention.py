@@ -399,13 +399,24 @@ def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, win
             and window_keys.dtype == window_values.dtype == query.dtype)
 
 
-@lru_cache(maxsize=8)
-def _cuda_partial_kernel(dtype: torch.dtype, device: torch.device) -> tuple[CudaLaunch, int]:
-    """The CUDA partial kernel for query and window elements of `dtype`, and its programs per SM."""
-    source = f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n" + (KERNEL_DIR / "decode_attention.cu").read_text()
+def cuda_partial_source(dtype: torch.dtype, kernel_text: str | None = None) -> str:
+    """The CUDA partial kernel's translation unit for query and window elements of `dtype`: the text of
+    kernels/decode_attention.cu, or `kernel_text`, an edited copy of it (benchmarks/attention_timeline.py)."""
+    if kernel_text is None:
+        kernel_text = (KERNEL_DIR / "decode_attention.cu").read_text()
+    return f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n" + kernel_text
+
+
+def build_cuda_partial(source: str, device: torch.device) -> tuple[CudaLaunch, int]:
+    """A cuda_partial_source compiled for `device`, and its programs per SM."""
     with torch.cuda.device(device):
         kernel = CudaLaunch(torch.cuda._compile_kernel(source, "kvq_decode_partial"))
     return kernel, kernel.resident_blocks(CUDA_PARTIAL_THREADS)
+
+
+@lru_cache(maxsize=8)
+def _cuda_partial_kernel(dtype: torch.dtype, device: torch.device) -> tuple[CudaLaunch, int]:
+    return build_cuda_partial(cuda_partial_source(dtype), device)
 
 
 @lru_cache(maxsize=8)
@@ -548,10 +559,12 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
         DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl, num_warps=LAUNCH.num_warps,
         num_stages=1 if d >= WIDE_HEAD else LAUNCH.num_stages)
 
+    lengths_pointer = query if lengths is None else lengths  # unread without lengths
+
     def partial_args(mapped_query, partial, maxima, sums, per_split, packed_splits) -> tuple:
         return (query, mapped_query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values,
-                partial, maxima, sums, query if lengths is None else lengths,  # unread without lengths
-                n_packed, n_window, per_split, packed_splits, kv_heads, capacity, window_capacity, float(scale))
+                partial, maxima, sums, lengths_pointer, n_packed, n_window, per_split, packed_splits, kv_heads,
+                capacity, window_capacity, float(scale))
 
     tokens = n_packed if lengths is None else capacity
     cuda_partial = _cuda_partial_fits(query, keys, values, window_keys, window_values, tokens)
@@ -570,7 +583,7 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
     if "partial" in LAUNCH.kernels and cuda_partial:
         cuda_kernel((batch * kv_heads, n_splits), CUDA_PARTIAL_THREADS, [
             mapped_query, query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values,
-            partial, maxima, sums, query if lengths is None else lengths, n_packed, n_window, per_split, packed_splits,
+            partial, maxima, sums, lengths_pointer, n_packed, n_window, per_split, packed_splits,
             kv_heads, gqa, capacity, window_capacity, float(scale), int(lengths is not None)], programmatic=pdl)
     elif "partial" in LAUNCH.kernels:
         _launch(_partial_kernel, (batch * kv_heads, n_splits),
