@@ -58,11 +58,12 @@ class TimedKernel:
 
     def __init__(self, kernel: CudaLaunch, buffers: list[torch.Tensor]):
         self.kernel, self.buffers, self.launches = kernel, buffers, 0
+        self.resident_blocks = kernel.resident_blocks
 
-    def __call__(self, grid, threads, args, programmatic=False):
+    def __call__(self, grid, args, programmatic=False):
         buffer = self.buffers[self.launches % len(self.buffers)]
         self.launches += 1
-        self.kernel(grid, threads, [*args, buffer], programmatic=programmatic)
+        self.kernel(grid, [*args, buffer], programmatic=programmatic)
 
 
 def percentiles(values: list[int], at=(0.0, 0.5, 1.0)) -> str:
@@ -83,9 +84,8 @@ def main() -> None:
 
         def timed_kernel(dtype, device, buffers=buffers, built=built):
             if dtype not in built:
-                kernel, resident = decode_attention.build_cuda_partial(
-                    decode_attention.cuda_partial_source(dtype, source), device)
-                built[dtype] = (TimedKernel(kernel, buffers), resident)
+                timed = decode_attention.cuda_partial_source(dtype, source)
+                built[dtype] = TimedKernel(decode_attention.build_cuda_partial(timed, device), buffers)
             return built[dtype]
 
         decode_attention._cuda_partial_kernel = timed_kernel

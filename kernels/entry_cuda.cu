@@ -89,8 +89,9 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 3) kvq_quantize(
 #endif
 }
 
-extern "C" __global__ void kvq_dequantize(const uchar* codes, const float* scales, const uint* sign_words,
-                                          const float* inverse_lam, uint has_lam, KVQ_OUT_T* x, uint n) {
+extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_dequantize(
+    const uchar* codes, const float* scales, const uint* sign_words, const float* inverse_lam, uint has_lam,
+    KVQ_OUT_T* x, uint n) {
     uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x, lane = threadIdx.x % KVQ_WARP, first = vec - lane;
 #if KVQ_STAGE_OUT
     __shared__ uint4 block_tile[KVQ_BLOCK * KVQ_OUT_CHUNKS];

@@ -138,6 +138,8 @@ CASES = [
     ("identity", 128, 4, "per_group", 64, True, torch.float32, 513),
     ("srft", 512, 4, "per_group", 128, False, torch.float32, 65),
     ("srft", 8, 4, "per_token", 32, False, torch.float32, 100),
+    # the bench's shape (`kvq bench kernels`), a few vectors more: a partial last block after five waves
+    ("srft", 128, 4, "per_token", 128, False, torch.float16, 262144 + 77),
 ]
 
 

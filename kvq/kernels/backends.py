@@ -5,7 +5,7 @@ A backend maps a KernelPlan and (n, d) rows to (codes, scales) and back.
 """
 
 import ctypes
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -65,20 +65,25 @@ class _LaunchConfig(ctypes.Structure):
 
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+MAX_THREADS_PER_BLOCK = 0  # CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
 
 
 class CudaLaunch:
     """cuLaunchKernel for a function torch.cuda._compile_kernel built. torch's own launcher reopens the
     driver library, makes a ctypes array class and a Stream object at every call: ~80 us of host time
     per launch on the H100 host, paid twice at every window flush of every layer of the fused cache.
-    Tensors pass as pointers, floats as float, ints as 32-bit unsigned (the kernels' uint parameters)."""
+    Tensors pass as pointers, floats as float, ints as 32-bit unsigned (the kernels' uint parameters).
+    `threads`: the block size the kernel declares in its __launch_bounds__, which every launch uses."""
 
     def __init__(self, kernel):
         self.function = kernel.func
         self.driver = torch.cuda._utils._get_gpu_runtime_library()
         self.array_types: dict[int, type] = {}
+        threads = ctypes.c_int()
+        self._check(self.driver.cuFuncGetAttribute(ctypes.byref(threads), MAX_THREADS_PER_BLOCK, self.function))
+        self.threads = threads.value
 
-    def __call__(self, blocks: int | tuple[int, int], threads: int, args: list, programmatic: bool = False) -> None:
+    def __call__(self, blocks: int | tuple[int, int], args: list, programmatic: bool = False) -> None:
         """programmatic: launched programmatically dependent on the stream's previous kernel (Hopper on),
         which the kernel must then await itself (griddepcontrol.wait)."""
         values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
@@ -90,19 +95,20 @@ class CudaLaunch:
         stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(args[0].device.index))
         grid_x, grid_y = blocks if isinstance(blocks, tuple) else (blocks, 1)
         if not programmatic:
-            self._check(self.driver.cuLaunchKernel(self.function, grid_x, grid_y, 1, threads, 1, 1, 0, stream,
+            self._check(self.driver.cuLaunchKernel(self.function, grid_x, grid_y, 1, self.threads, 1, 1, 0, stream,
                                                    pointers, None))
             return
         attribute = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        config = _LaunchConfig((ctypes.c_uint * 3)(grid_x, grid_y, 1), (ctypes.c_uint * 3)(threads, 1, 1), 0, stream,
-                               ctypes.pointer(attribute), 1)
+        config = _LaunchConfig((ctypes.c_uint * 3)(grid_x, grid_y, 1), (ctypes.c_uint * 3)(self.threads, 1, 1), 0,
+                               stream, ctypes.pointer(attribute), 1)
         self._check(self.driver.cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None))
 
-    def resident_blocks(self, threads: int) -> int:
-        """Blocks of `threads` threads one SM holds at once (its registers and shared memory)."""
+    @cached_property
+    def resident_blocks(self) -> int:
+        """Blocks one SM holds at once (its registers and shared memory)."""
         blocks = ctypes.c_int()
         self._check(self.driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), self.function,
-                                                                            threads, ctypes.c_size_t(0)))
+                                                                            self.threads, ctypes.c_size_t(0)))
         return blocks.value
 
     @staticmethod
@@ -112,17 +118,19 @@ class CudaLaunch:
 
 
 @lru_cache(maxsize=64)
-def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, name: str) -> CudaLaunch:
+def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, name: str,
+                 device: torch.device) -> CudaLaunch:
     source = translation_unit("cuda", dict(defines), in_dtype, out_dtype)
-    return CudaLaunch(torch.cuda._compile_kernel(source, name))
+    with torch.cuda.device(device):
+        return CudaLaunch(torch.cuda._compile_kernel(source, name))
 
 
 class CudaBackend(KernelBackend):
     name = "cuda"
 
     def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
-        kernel = _cuda_kernel(plan.define_items, in_dtype, out_dtype, name)
-        kernel(-(-n // THREADS_PER_GROUP), THREADS_PER_GROUP, [*args, n])
+        kernel = _cuda_kernel(plan.define_items, in_dtype, out_dtype, name, args[0].device)
+        kernel(-(-n // kernel.threads), [*args, n])
 
 
 @lru_cache(maxsize=64)

@@ -382,7 +382,6 @@ if triton is not None:
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
-CUDA_PARTIAL_THREADS = 128  # kernels/decode_attention.cu: KVQ_WARPS warps
 # Fewest tokens (split over) for which the CUDA partial kernel serves: on the H100 it took 18.1-18.2 us per
 # step at 16K tokens against Triton's 19.1-19.2 (RESULTS.md item 27) and 24.2-24.7 against 27.0-27.1 at 32K,
 # but 14.9-15.0 against 13.8 at 8K (item 26).
@@ -407,15 +406,14 @@ def cuda_partial_source(dtype: torch.dtype, kernel_text: str | None = None) -> s
     return f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n" + kernel_text
 
 
-def build_cuda_partial(source: str, device: torch.device) -> tuple[CudaLaunch, int]:
-    """A cuda_partial_source compiled for `device`, and its programs per SM."""
+def build_cuda_partial(source: str, device: torch.device) -> CudaLaunch:
+    """A cuda_partial_source compiled for `device`."""
     with torch.cuda.device(device):
-        kernel = CudaLaunch(torch.cuda._compile_kernel(source, "kvq_decode_partial"))
-    return kernel, kernel.resident_blocks(CUDA_PARTIAL_THREADS)
+        return CudaLaunch(torch.cuda._compile_kernel(source, "kvq_decode_partial"))
 
 
 @lru_cache(maxsize=8)
-def _cuda_partial_kernel(dtype: torch.dtype, device: torch.device) -> tuple[CudaLaunch, int]:
+def _cuda_partial_kernel(dtype: torch.dtype, device: torch.device) -> CudaLaunch:
     return build_cuda_partial(cuda_partial_source(dtype), device)
 
 
@@ -569,7 +567,8 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
     tokens = n_packed if lengths is None else capacity
     cuda_partial = _cuda_partial_fits(query, keys, values, window_keys, window_values, tokens)
     if cuda_partial:
-        cuda_kernel, resident = _cuda_partial_kernel(query.dtype, query.device)
+        cuda_kernel = _cuda_partial_kernel(query.dtype, query.device)
+        resident = cuda_kernel.resident_blocks
     else:
         build = _compiled_kernel(_partial_kernel, partial_args(*[torch.float32] * 4, 0, 0), constants)
         resident = _resident_programs_of(build, query.device)
@@ -581,7 +580,7 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
         _launch(_map_query_kernel, (batch * q_heads, d // columns),
                 (query, query_map.float().contiguous(), mapped_query), D=d, COLS=columns, PDL=pdl, launch_pdl=pdl)
     if "partial" in LAUNCH.kernels and cuda_partial:
-        cuda_kernel((batch * kv_heads, n_splits), CUDA_PARTIAL_THREADS, [
+        cuda_kernel((batch * kv_heads, n_splits), [
             mapped_query, query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values,
             partial, maxima, sums, lengths_pointer, n_packed, n_window, per_split, packed_splits,
             kv_heads, gqa, capacity, window_capacity, float(scale), int(lengths is not None)], programmatic=pdl)
