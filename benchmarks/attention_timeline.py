@@ -21,6 +21,7 @@ from kvq.kernels.backends import CudaLaunch
 from kvq.kernels.source import KERNEL_DIR
 
 STAMPS = 8  # per program: start, released, 4 warps' loop ends, end, unused
+MAX_SPLITS = 256  # splits per (batch, KV head) the stamp buffers hold (the H100's plan at 32 query / 8 KV heads: 65)
 TIMER = ('__device__ __forceinline__ unsigned long long kvq_now() { unsigned long long t; '
          'asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }\n')
 EDITS = [  # (anchor in kernels/decode_attention.cu, what replaces it)
@@ -79,7 +80,9 @@ def main() -> None:
     decode_attention.CUDA_PARTIAL_MIN_TOKENS = 0
     for tokens in args.context:
         _, caches, _, step = attention_step("cuda", tokens, 32, 8, 128, 32)
-        buffers = [torch.zeros(STAMPS * 8 * 256, dtype=torch.int64, device="cuda") for _ in caches]
+        window_programs = math.prod(caches[0][0].codes.shape[:2])  # the grid's last row: batch x KV heads
+        buffers = [torch.zeros(STAMPS * window_programs * MAX_SPLITS, dtype=torch.int64, device="cuda")
+                   for _ in caches]
         built = {}
 
         def timed_kernel(dtype, device, buffers=buffers, built=built):
@@ -93,7 +96,6 @@ def main() -> None:
         print(f"T={tokens}: step " + " / ".join(f"{t:.2f}" for t in steps) + " us (the last replay's stamps):")
         layers = [b.view(-1, STAMPS).cpu() for b in buffers]  # kept from the last graph replay
         origin = min(int(stamps[stamps[:, 0] > 0, 0].min()) for stamps in layers)
-        window_programs = math.prod(caches[0][0].codes.shape[:2])  # the grid's last row: batch x KV heads
         for index, stamps in enumerate(layers):
             stamps = stamps[stamps[:, 0] > 0] - origin
             packed = stamps[:-window_programs]

@@ -111,6 +111,12 @@ class CudaLaunch:
                                                                             self.threads, ctypes.c_size_t(0)))
         return blocks.value
 
+    @classmethod
+    def compile(cls, source: str, name: str, device: torch.device) -> "CudaLaunch":
+        """Kernel `name` of CUDA `source`, built by NVRTC and loaded in `device`'s context."""
+        with torch.cuda.device(device):
+            return cls(torch.cuda._compile_kernel(source, name))
+
     @staticmethod
     def _check(status: int) -> None:
         if status:
@@ -120,9 +126,7 @@ class CudaLaunch:
 @lru_cache(maxsize=64)
 def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, name: str,
                  device: torch.device) -> CudaLaunch:
-    source = translation_unit("cuda", dict(defines), in_dtype, out_dtype)
-    with torch.cuda.device(device):
-        return CudaLaunch(torch.cuda._compile_kernel(source, name))
+    return CudaLaunch.compile(translation_unit("cuda", dict(defines), in_dtype, out_dtype), name, device)
 
 
 class CudaBackend(KernelBackend):

@@ -408,8 +408,7 @@ def cuda_partial_source(dtype: torch.dtype, kernel_text: str | None = None) -> s
 
 def build_cuda_partial(source: str, device: torch.device) -> CudaLaunch:
     """A cuda_partial_source compiled for `device`."""
-    with torch.cuda.device(device):
-        return CudaLaunch(torch.cuda._compile_kernel(source, "kvq_decode_partial"))
+    return CudaLaunch.compile(source, "kvq_decode_partial", device)
 
 
 @lru_cache(maxsize=8)
