@@ -106,56 +106,73 @@ KVQ_DEVICE_FN void kvq_fwht(KVQ_THREAD float* y) {
     KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] *= norm;
 }
 
+// The SRFT's constant factors (the spectrum packing's 1/2 and sqrt 2, the 1 / sqrt D norm) ride on the
+// scales, one multiply per scale group, so that the packing spends one fma per output: R x =
+// KVQ_ROTATION_NORM * kvq_rotate_forward(x) and R^T y = kvq_rotate_inverse(KVQ_ROTATION_NORM * y). (The
+// quantize kernel's time follows its instruction count, ~2330 per vector before this took ~60 of them;
+// RESULTS.md item 29.)
+#define KVQ_ROTATION_NORM (KVQ_ROT == 2 ? 1.0f / kvq_sqrt(2.0f * KVQ_D) : 1.0f)
+
 // Z = FFT(z) with z_t = x_{2t} + i x_{2t+1} sits in y (re | im); replace it by the Eq. 2 packing of
-// X = DFT_D(x): y_0 = X_0, y_HALF = X_{D/2}, (y_j, y_{HALF+j}) = sqrt 2 (Re, Im) X_j, over sqrt D.
+// X = DFT_D(x): y_0 = X_0, y_HALF = X_{D/2}, (y_j, y_{HALF+j}) = sqrt 2 (Re, Im) X_j, over sqrt D, all
+// divided by KVQ_ROTATION_NORM = 1 / sqrt(2 D).
 // X_j = E_j + e^{-2 pi i j / D} O_j with E_j = (Z_j + conj Z_{n-j}) / 2, O_j = (Z_j - conj Z_{n-j}) / 2i
 // (Eq. 1). j and m = n - j share their sums: with Z_j = A + iB, Z_m = C + iD, (c, s) = cos, sin of
 // pi j / n, P = c (B + D) - s (A - C) and Q = -s (B + D) - c (A - C),
 //   X_j = ((A + C) + P + i ((B - D) + Q)) / 2,  X_m = ((A + C) - P + i (Q - (B - D))) / 2,
-// so the 1/2 and the output norm fold into the twiddle literals: 14 instructions per pair.
+// whose 1/2 and sqrt 2 / sqrt D are KVQ_ROTATION_NORM's. (P, Q) factor out the larger of c and s as
+// kvq_fft's butterflies do, so that each output is one fma: 10 instructions per pair.
 KVQ_DEVICE_FN void kvq_unpack_spectrum(KVQ_THREAD float* y) {
     KVQ_TWIDDLE_TABLE;
-    float norm = 1.0f / kvq_sqrt((float)KVQ_D);
-    float half_norm = 0.5f * norm * kvq_sqrt(2.0f);
+    float edge = kvq_sqrt(2.0f);  // 1 / sqrt D over KVQ_ROTATION_NORM
     float z0r = y[0], z0i = y[KVQ_HALF];
-    y[0] = (z0r + z0i) * norm;         // X_0 = E_0 + O_0 = Re Z_0 + Im Z_0
-    y[KVQ_HALF] = (z0r - z0i) * norm;  // X_{D/2} = E_0 - O_0
+    y[0] = (z0r + z0i) * edge;         // X_0 = E_0 + O_0 = Re Z_0 + Im Z_0
+    y[KVQ_HALF] = (z0r - z0i) * edge;  // X_{D/2} = E_0 - O_0
     KVQ_UNROLL for (uint j = 1; j <= KVQ_HALF / 2; ++j) {
         uint m = KVQ_HALF - j;
         float a = y[j], b = y[KVQ_HALF + j], c = y[m], d = y[KVQ_HALF + m];
-        float cos_n = half_norm * twiddles[2 * j], sin_n = half_norm * twiddles[2 * j + 1];
-        float sum_re = half_norm * (a + c), diff_im = half_norm * (b - d);
+        float cos_n = twiddles[2 * j], sin_n = twiddles[2 * j + 1];
+        float sum_re = a + c, diff_im = b - d;
         float sum_im = b + d, diff_re = a - c;
-        float p = cos_n * sum_im - sin_n * diff_re;
-        float q = -sin_n * sum_im - cos_n * diff_re;
-        y[j] = sum_re + p;
-        y[KVQ_HALF + j] = diff_im + q;
-        y[m] = sum_re - p;
-        y[KVQ_HALF + m] = q - diff_im;
+        // by cos: P = c u, Q = -c v with u = sum_im - t diff_re, v = t sum_im + diff_re, t = s / c;
+        // by sin: P = s u, Q = -s v with u = r sum_im - diff_re, v = sum_im + r diff_re, r = c / s.
+        bool by_cos = cos_n >= sin_n;
+        float factor = by_cos ? cos_n : sin_n, ratio = by_cos ? sin_n / cos_n : cos_n / sin_n;
+        float u = by_cos ? kvq_fma(-ratio, diff_re, sum_im) : kvq_fma(ratio, sum_im, -diff_re);
+        float v = by_cos ? kvq_fma(ratio, sum_im, diff_re) : kvq_fma(ratio, diff_re, sum_im);
+        y[j] = kvq_fma(factor, u, sum_re);
+        y[KVQ_HALF + j] = kvq_fma(-factor, v, diff_im);
+        y[m] = kvq_fma(-factor, u, sum_re);
+        y[KVQ_HALF + m] = kvq_fma(-factor, v, -diff_im);
     }
 }
 
-// Inverse of kvq_unpack_spectrum: Eq. 2 packing -> Z_j = E_j + i O_j, the spectrum of z.
+// Inverse of kvq_unpack_spectrum: Eq. 2 packing -> Z_j = E_j + i O_j, the spectrum of z, all times
+// sqrt D / 2 (the input comes times KVQ_ROTATION_NORM, and kvq_rotate_inverse applies no norm).
 KVQ_DEVICE_FN void kvq_repack_spectrum(KVQ_THREAD float* y) {
     KVQ_TWIDDLE_TABLE;
+    float edge = kvq_sqrt(2.0f);
     float x0 = y[0], xh = y[KVQ_HALF];
-    y[0] = 0.5f * (x0 + xh);         // Z_0 = E_0 + i O_0 with E_0 = (X_0 + X_{D/2}) / 2,
-    y[KVQ_HALF] = 0.5f * (x0 - xh);  // O_0 = (X_0 - X_{D/2}) / 2 (ortho scale restored below)
-    float inv_sqrt2 = 1.0f / kvq_sqrt(2.0f);
+    y[0] = edge * (x0 + xh);         // Z_0 = E_0 + i O_0 with E_0 = (X_0 + X_{D/2}) / 2,
+    y[KVQ_HALF] = edge * (x0 - xh);  // O_0 = (X_0 - X_{D/2}) / 2
     KVQ_UNROLL for (uint j = 1; j <= KVQ_HALF / 2; ++j) {
         uint m = KVQ_HALF - j;
         float out[4];  // Re Z_j, Im Z_j, Re Z_m, Im Z_m
         KVQ_UNROLL for (uint side = 0; side < 2; ++side) {
             uint a = side == 0 ? j : m, b = side == 0 ? m : j;
-            float xr = y[a] * inv_sqrt2, xi = y[KVQ_HALF + a] * inv_sqrt2;
-            float mr = y[b] * inv_sqrt2, mi = y[KVQ_HALF + b] * inv_sqrt2;
-            // E = (X_a + conj X_b) / 2, O = (X_a - conj X_b) e^{+2 pi i a / D} / 2
-            float er = 0.5f * (xr + mr), ei = 0.5f * (xi - mi);
-            float dr = 0.5f * (xr - mr), di = 0.5f * (xi + mi);
+            float xr = y[a], xi = y[KVQ_HALF + a], mr = y[b], mi = y[KVQ_HALF + b];
+            // E = (X_a + conj X_b) / 2, O = (X_a - conj X_b) e^{+2 pi i a / D} / 2, over sqrt 2 (the packing's)
+            float er = xr + mr, ei = xi - mi, dr = xr - mr, di = xi + mi;
+            // O = w (dr + i di) with w = wr + i wi, the larger of |wr|, |wi| factored out as in kvq_fft:
+            // by cos, w (dr + i di) = wr (u + i v) with u = dr - t di, v = di + t dr, t = wi / wr;
+            // by sin, = wi (u + i v) with u = r dr - di, v = r di + dr, r = wr / wi.
             float wr = twiddles[2 * a], wi = twiddles[2 * a + 1];
-            float or_ = wr * dr - wi * di, oi = wr * di + wi * dr;
-            out[2 * side] = er - oi;
-            out[2 * side + 1] = ei + or_;
+            bool by_cos = kvq_fabs(wr) >= kvq_fabs(wi);
+            float factor = by_cos ? wr : wi, ratio = by_cos ? wi / wr : wr / wi;
+            float u = by_cos ? kvq_fma(-ratio, di, dr) : kvq_fma(ratio, dr, -di);
+            float v = by_cos ? kvq_fma(ratio, dr, di) : kvq_fma(ratio, di, dr);
+            out[2 * side] = kvq_fma(-factor, v, er);     // Re E - Im O
+            out[2 * side + 1] = kvq_fma(factor, u, ei);  // Im E + Re O
         }
         y[j] = out[0];
         y[KVQ_HALF + j] = out[1];
@@ -178,7 +195,7 @@ KVQ_DEVICE_FN void kvq_bit_reverse_order(KVQ_THREAD float* y) {
     }
 }
 
-// y holds the sign-flipped input; leaves R x (the quantizer's rotated vector).
+// y holds the sign-flipped input; leaves R x / KVQ_ROTATION_NORM (the quantizer's rotated vector, unscaled).
 KVQ_DEVICE_FN void kvq_rotate_forward(KVQ_THREAD float* y) {
 #if KVQ_ROT == 1
     kvq_fwht(y);
@@ -196,7 +213,7 @@ KVQ_DEVICE_FN void kvq_rotate_forward(KVQ_THREAD float* y) {
 #endif
 }
 
-// y holds a rotated vector; leaves R^T y (its signs still to be flipped).
+// y holds a rotated vector times KVQ_ROTATION_NORM; leaves R^T y (its signs still to be flipped).
 KVQ_DEVICE_FN void kvq_rotate_inverse(KVQ_THREAD float* y) {
 #if KVQ_ROT == 1
     kvq_fwht(y);
@@ -204,11 +221,10 @@ KVQ_DEVICE_FN void kvq_rotate_inverse(KVQ_THREAD float* y) {
     kvq_repack_spectrum(y);
     kvq_bit_reverse_order(y);
     kvq_fft(y, 1.0f);
-    float norm = 2.0f / kvq_sqrt((float)KVQ_D);
     float z[KVQ_D];
     KVQ_UNROLL for (uint t = 0; t < KVQ_HALF; ++t) {
-        z[2 * t] = y[t] * norm;
-        z[2 * t + 1] = y[KVQ_HALF + t] * norm;
+        z[2 * t] = y[t];
+        z[2 * t + 1] = y[KVQ_HALF + t];
     }
     KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] = z[i];
 #endif
@@ -256,8 +272,8 @@ KVQ_DEVICE_FN void kvq_quantize_body(
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
         float amax = 0.0f;
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) amax = kvq_max(amax, kvq_fabs(y[i]));
-        float scale = amax > 0.0f ? amax / (float)KVQ_QMAX : 1.0f;
-        scales[(kvq_index)vec * KVQ_GROUPS + g] = scale;
+        float scale = amax > 0.0f ? amax / (float)KVQ_QMAX : 1.0f;  // in the unscaled rotation's units
+        scales[(kvq_index)vec * KVQ_GROUPS + g] = scale * (amax > 0.0f ? KVQ_ROTATION_NORM : 1.0f);
         // One division per group: y * (1 / scale) is within an ulp of y / scale, so codes can differ from
         // the reference's only at round-half ties (which the tests count).
         inverse[g] = 1.0f / scale;
@@ -304,7 +320,7 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
         }
     }
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
-        float scale = scales[(kvq_index)vec * KVQ_GROUPS + g];
+        float scale = scales[(kvq_index)vec * KVQ_GROUPS + g] * KVQ_ROTATION_NORM;
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) y[i] *= scale;
     }
     if (has_lam) kvq_scale_by(y, inverse_lam);

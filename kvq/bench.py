@@ -23,7 +23,7 @@ from kvq.kernels.decode_attention import PackedKV, decode_attention, packed_read
 from kvq.quant.packing import pack
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
-from kvq.rotations import SRFT
+from kvq.rotations import SRFT, SRHT, Identity
 
 # Datasheet HBM bandwidth (bytes/s) by device name fragment; the measured copy rate is reported beside it.
 PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H200": 4.8e12,
@@ -93,9 +93,14 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
     x = torch.randn(vectors, d, device=device, dtype=torch.float16)
     peak = peak_bandwidth(device)
     rows = []
-    for label, granularity, lam in (("srft int4 per-token", "per_token", None),
-                                    ("srft int4 g32 + lambda", "per_group", torch.rand(d) + 0.5)):
-        quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, granularity, group), lam)
+    # The identity and SRHT rows price the rotation: the same staging, abs-max and packing with no
+    # transform and with a cheaper one (RESULTS.md item 29).
+    for label, rotation, granularity, lam in (
+            ("srft int4 per-token", SRFT, "per_token", None),
+            ("srft int4 g32 + lambda", SRFT, "per_group", torch.rand(d) + 0.5),
+            ("srht int4 per-token", SRHT, "per_token", None),
+            ("identity int4 per-token", Identity, "per_token", None)):
+        quantizer = RotatedQuantizer(rotation(d, 0), ScalarQuantizer(4, granularity, group), lam)
         groups = 1 if granularity == "per_token" else d // group
         moved = quantize_bytes(vectors, d, groups)
         fused = time_call(lambda q=quantizer: kernels.encode(q, x), device, graph=True)
