@@ -148,7 +148,8 @@ KVQ_DEVICE_FN void kvq_unpack_spectrum(KVQ_THREAD float* y) {
 }
 
 // Inverse of kvq_unpack_spectrum: Eq. 2 packing -> Z_j = E_j + i O_j, the spectrum of z, all times
-// sqrt D / 2 (the input comes times KVQ_ROTATION_NORM, and kvq_rotate_inverse applies no norm).
+// 2 / sqrt D, the inverse's output norm (the input comes times KVQ_ROTATION_NORM, so kvq_rotate_inverse
+// applies no norm).
 KVQ_DEVICE_FN void kvq_repack_spectrum(KVQ_THREAD float* y) {
     KVQ_TWIDDLE_TABLE;
     float edge = kvq_sqrt(2.0f);
