@@ -54,9 +54,25 @@ __device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_row
     else kvq_copy_some_rows<T, ITEMS, LIMIT, INTO_TILE, false>(global, tile, valid_rows);
 }
 
-// Three blocks per SM: left alone, the staged build takes 204 registers and fits two.
-extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 3) kvq_quantize(
-    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, uchar* codes, float* scales, uint n) {
+// Each warp, once its own rows are in shared memory, prefetches into L2 the rows of the warp `ahead` rows on
+// (the host passes ~0.6 of the rows the SMs hold at once), which starts about when this one finishes: that
+// warp then finds its rows in L2 instead of waiting on HBM, and HBM stays busy while the SMs compute.
+// Without it the first wave's blocks all loaded, then all computed with HBM idle, and every later block
+// waited on HBM before computing. (Same-process A/B on the H100, 262144 x 128 fp16, SRFT per-token: 69.6-71.0%
+// of peak bandwidth at 0.55-0.67 of a wave ahead against 65.3-66.0% without; sent before the warp's own
+// loads, 60-61%; RESULTS.md item 30.) Builds that read rows in place (no staging) do not prefetch: unmeasured.
+__device__ __forceinline__ void kvq_prefetch_rows(const KVQ_IN_T* x, uint first, uint ahead, uint n) {
+    if (threadIdx.x % KVQ_WARP == 0 && ahead && first < n && ahead < n - first) {
+        uint rows = min((uint)KVQ_WARP, n - first - ahead);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x + (kvq_index)(first + ahead) * KVQ_D),
+                     "r"(rows * KVQ_D * (uint)sizeof(KVQ_IN_T)) : "memory");
+    }
+}
+
+// Twelve warps per SM, 168 registers: left alone, the staged build takes 204 registers and fits eight.
+extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 12 * KVQ_WARP / KVQ_BLOCK) kvq_quantize(
+    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, uchar* codes, float* scales, uint n,
+    uint prefetch_ahead) {
     uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x, lane = threadIdx.x % KVQ_WARP;
     uint first = vec - lane;  // the warp's first row; its part of each tile starts at row first % KVQ_BLOCK
 #if KVQ_STAGE_CODES
@@ -69,6 +85,7 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 3) kvq_quantize(
     __shared__ uint4 block_rows[KVQ_BLOCK * KVQ_IN_CHUNKS];
     uint4* rows = block_rows + (first % KVQ_BLOCK) * KVQ_IN_CHUNKS;
     kvq_copy_rows<uint4, KVQ_IN_CHUNKS, 8, true>((uint4*)(x + (kvq_index)first * KVQ_D), rows, valid);
+    kvq_prefetch_rows(x, first, prefetch_ahead, n);
     __syncwarp();
     const uint4* row = rows + lane * KVQ_IN_CHUNKS;
     uint row_swizzle = lane & KVQ_SWIZZLE(KVQ_IN_CHUNKS, 8);

@@ -129,12 +129,25 @@ def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, 
     return CudaLaunch.compile(translation_unit("cuda", dict(defines), in_dtype, out_dtype), name, device)
 
 
+# How far ahead, in the rows the SMs hold at once, each quantize warp prefetches rows into L2
+# (kernels/entry_cuda.cu's kvq_prefetch_rows): the best of 0.55-0.8 on the H100 (RESULTS.md item 30).
+PREFETCH_WAVES = 0.6
+
+
+@lru_cache(maxsize=64)
+def prefetch_rows(kernel: CudaLaunch, device: torch.device) -> int:
+    """kvq_quantize's prefetch distance in rows: PREFETCH_WAVES of what `device`'s SMs hold at once."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return int(PREFETCH_WAVES * sms * kernel.resident_blocks * kernel.threads)
+
+
 class CudaBackend(KernelBackend):
     name = "cuda"
 
     def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
         kernel = _cuda_kernel(plan.define_items, in_dtype, out_dtype, name, args[0].device)
-        kernel(-(-n // kernel.threads), [*args, n])
+        tail = [n, prefetch_rows(kernel, args[0].device)] if name == "kvq_quantize" else [n]
+        kernel(-(-n // kernel.threads), [*args, *tail])
 
 
 @lru_cache(maxsize=64)

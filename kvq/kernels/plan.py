@@ -17,7 +17,11 @@ from kvq.rotations import SRFT, SRHT, Identity
 
 ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
 KERNEL_BITS = (4, 8)
-THREADS_PER_GROUP = 128  # one vector per thread
+THREADS_PER_GROUP = 128  # Metal threadgroups; one vector per thread
+# CUDA blocks: one warp, twelve to an SM (kernels/entry_cuda.cu). With each warp prefetching the rows of
+# the warp ~0.6 of a wave on, one-warp blocks ran 70.8-71.3% of peak bandwidth against 69.8-70.9% for
+# four-warp blocks, in two same-process A/Bs (SRFT per-token, 262144 x 128 fp16, H100; RESULTS.md item 30).
+CUDA_BLOCK = 32
 
 
 def twiddle_literals(d: int) -> str:
@@ -72,7 +76,7 @@ class KernelPlan:
 
     def defines(self) -> dict[str, int | str]:
         return {"KVQ_D": self.d, "KVQ_GROUP": self.group, "KVQ_BITS": self.bits, "KVQ_ROT": self.rotation,
-                "KVQ_BLOCK": THREADS_PER_GROUP, "KVQ_TWIDDLES": twiddle_literals(self.d)}
+                "KVQ_BLOCK": CUDA_BLOCK, "KVQ_TWIDDLES": twiddle_literals(self.d)}
 
 
 def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
