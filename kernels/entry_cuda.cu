@@ -60,7 +60,7 @@ __device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_row
 // Without it the first wave's blocks all loaded, then all computed with HBM idle, and every later block
 // waited on HBM before computing. (Same-process A/B on the H100, 262144 x 128 fp16, SRFT per-token: 69.6-71.0%
 // of peak bandwidth at 0.55-0.67 of a wave ahead against 65.3-66.0% without; sent before the warp's own
-// loads, 60-61%; RESULTS.md item 30.) Builds that read rows in place (no staging) do not prefetch: unmeasured.
+// loads, 59.9-61.5%; RESULTS.md item 30.) Builds that read rows in place (no staging) do not prefetch: unmeasured.
 __device__ __forceinline__ void kvq_prefetch_rows(const KVQ_IN_T* x, uint first, uint ahead, uint n) {
     if (threadIdx.x % KVQ_WARP == 0 && ahead && first < n && ahead < n - first) {
         uint rows = min((uint)KVQ_WARP, n - first - ahead);
