@@ -69,7 +69,7 @@ __device__ __forceinline__ void kvq_prefetch_rows(const KVQ_IN_T* x, uint first,
     }
 }
 
-// Twelve warps per SM, 168 registers: left alone, the staged build takes 204 registers and fits eight.
+// Twelve warps per SM at 168 registers: left alone, the staged build took 204 registers, for fewer warps.
 extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 12 * KVQ_WARP / KVQ_BLOCK) kvq_quantize(
     const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, uchar* codes, float* scales, uint n,
     uint prefetch_ahead) {

@@ -130,7 +130,8 @@ def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, 
 
 
 # How far ahead, in the rows the SMs hold at once, each quantize warp prefetches rows into L2
-# (kernels/entry_cuda.cu's kvq_prefetch_rows): the best of 0.55-0.8 on the H100 (RESULTS.md item 30).
+# (kernels/entry_cuda.cu's kvq_prefetch_rows). On the H100, 0.5-0.67 were level within noise, 1/3 and
+# 0.8 slower and 4/3 no better than none (RESULTS.md item 30).
 PREFETCH_WAVES = 0.6
 
 
