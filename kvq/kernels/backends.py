@@ -131,13 +131,13 @@ def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, 
 
 # How far ahead, in the rows the SMs hold at once, each quantize warp prefetches rows into L2
 # (kernels/entry_cuda.cu's kvq_prefetch_rows). On the H100, 0.5-0.67 were level within noise, 1/3 and
-# 0.8 slower and 4/3 no better than none (RESULTS.md item 30).
+# 0.8 slower, and 4/3 slower than no prefetch (RESULTS.md item 30).
 PREFETCH_WAVES = 0.6
 
 
 @lru_cache(maxsize=64)
-def prefetch_rows(kernel: CudaLaunch, device: torch.device) -> int:
-    """kvq_quantize's prefetch distance in rows: PREFETCH_WAVES of what `device`'s SMs hold at once."""
+def prefetch_ahead(kernel: CudaLaunch, device: torch.device) -> int:
+    """kvq_quantize's `prefetch_ahead`, in rows: PREFETCH_WAVES of what `device`'s SMs hold at once."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return int(PREFETCH_WAVES * sms * kernel.resident_blocks * kernel.threads)
 
@@ -147,7 +147,7 @@ class CudaBackend(KernelBackend):
 
     def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
         kernel = _cuda_kernel(plan.define_items, in_dtype, out_dtype, name, args[0].device)
-        tail = [n, prefetch_rows(kernel, args[0].device)] if name == "kvq_quantize" else [n]
+        tail = [n, prefetch_ahead(kernel, args[0].device)] if name == "kvq_quantize" else [n]
         kernel(-(-n // kernel.threads), [*args, *tail])
 
 
