@@ -45,11 +45,12 @@ EDITS = [  # (anchor in kernels/decode_attention.cu, what replaces it)
 ]
 
 
-def timed_source() -> str:
+def edited_source(edits: list[tuple[str, str]]) -> str:
+    """kernels/decode_attention.cu with each (anchor, replacement) applied; every anchor must occur once."""
     source = (KERNEL_DIR / "decode_attention.cu").read_text()
-    for anchor, replacement in EDITS:
+    for anchor, replacement in edits:
         if source.count(anchor) != 1:
-            raise SystemExit(f"kernels/decode_attention.cu changed: update EDITS for {anchor!r}")
+            raise SystemExit(f"kernels/decode_attention.cu changed: update the edits for {anchor!r}")
         source = source.replace(anchor, replacement)
     return source
 
@@ -76,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, nargs="+", default=[32768])
     args = parser.parse_args()
-    source = timed_source()
+    source = edited_source(EDITS)
     decode_attention.CUDA_PARTIAL_MIN_TOKENS = 0
     for tokens in args.context:
         _, caches, _, step = attention_step("cuda", tokens, 32, 8, 128, 32)
