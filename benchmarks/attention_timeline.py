@@ -86,11 +86,11 @@ def main() -> None:
                    for _ in caches]
         built = {}
 
-        def timed_kernel(dtype, device, buffers=buffers, built=built):
-            if dtype not in built:
-                timed = decode_attention.cuda_partial_source(dtype, source)
-                built[dtype] = TimedKernel(decode_attention.build_cuda_partial(timed, device), buffers)
-            return built[dtype]
+        def timed_kernel(dtype, scale_dtype, device, buffers=buffers, built=built):
+            if (dtype, scale_dtype) not in built:
+                timed = decode_attention.cuda_partial_source(dtype, scale_dtype, source)
+                built[dtype, scale_dtype] = TimedKernel(decode_attention.build_cuda_partial(timed, device), buffers)
+            return built[dtype, scale_dtype]
 
         decode_attention._cuda_partial_kernel = timed_kernel
         steps = [time_per_layer(step, caches, "cuda") * 1e6 for _ in range(3)]

@@ -26,7 +26,7 @@ from kvq.kernels.decode_attention import cuda_partial_source
 from kvq.kernels.plan import plan_for
 from kvq.kernels.source import translation_unit
 from kvq.quant.rotated import RotatedQuantizer
-from kvq.quant.scalar import ScalarQuantizer
+from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Identity
 
 ROTATIONS = {"identity": Identity, "srht": SRHT, "srft": SRFT}
@@ -100,7 +100,7 @@ def histogram(opcodes) -> str:
 
 def quantize(args, out: Path) -> None:
     granularity = "per_group" if args.group else "per_token"
-    inner = ScalarQuantizer(args.bits, granularity, args.group or args.d)
+    inner = ScalarQuantizer(args.bits, granularity, args.group or args.d, scale_dtype=args.scales)
     plan = plan_for(RotatedQuantizer(ROTATIONS[args.rotation](args.d, 0), inner))
     if plan is None:
         raise SystemExit(f"no kernel for d={args.d}, bits={args.bits}, group={args.group}")
@@ -134,7 +134,7 @@ def attention(args, out: Path) -> None:
 
 
 def cuda_attention(args, out: Path) -> None:
-    print(assemble(nvrtc_ptx(cuda_partial_source(torch.float16)), out))
+    print(assemble(nvrtc_ptx(cuda_partial_source(torch.float16, SCALE_DTYPES[args.scales])), out))
 
 
 def main() -> None:
@@ -146,11 +146,13 @@ def main() -> None:
     quantize_parser.add_argument("--d", type=int, default=128)
     quantize_parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     quantize_parser.add_argument("--group", type=int, help="scale group (default: per-token)")
+    quantize_parser.add_argument("--scales", choices=("float32", "float16"), default="float32")
     attention_parser = kinds.add_parser("attention")
     attention_parser.add_argument("--block", type=int, default=64)
     attention_parser.add_argument("--warps", type=int, default=2)
     attention_parser.add_argument("--stages", type=int, default=4)
-    kinds.add_parser("cuda-attention")
+    cuda_attention_parser = kinds.add_parser("cuda-attention")
+    cuda_attention_parser.add_argument("--scales", choices=("float32", "float16"), default="float32")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         out = args.out or Path(scratch)

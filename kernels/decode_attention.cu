@@ -25,6 +25,9 @@
 //
 // Scores are in log2 units (the query carries scale * log2 e); maxima leave in natural units, as the
 // reduce kernel reads them.
+//
+// Scales are float32, or fp16 with KVQ_SCALE_HALF 1 (ScalarQuantizer's scale_dtype float16): 16 or 8 bytes per
+// token and role.
 
 typedef unsigned int uint;
 typedef unsigned char uchar;
@@ -41,7 +44,13 @@ typedef unsigned short ushort;
 #define KVQ_STAGES 3                      // tiles a warp keeps in flight + 1
 #define KVQ_MIN_BLOCKS 4
 #define KVQ_CODES_BYTES (KVQ_TILE * KVQ_ROW_BYTES)
-#define KVQ_SCALES_BYTES (KVQ_TILE * KVQ_GROUPS * 4)
+#if KVQ_SCALE_HALF
+typedef unsigned short kvq_scale;
+#else
+typedef float kvq_scale;
+#endif
+#define KVQ_SCALE_ROW_BYTES (KVQ_GROUPS * (int)sizeof(kvq_scale))  // one token's
+#define KVQ_SCALES_BYTES (KVQ_TILE * KVQ_SCALE_ROW_BYTES)
 #define KVQ_V_AT KVQ_CODES_BYTES
 #define KVQ_KS_AT (2 * KVQ_CODES_BYTES)
 #define KVQ_VS_AT (KVQ_KS_AT + KVQ_SCALES_BYTES)
@@ -83,6 +92,18 @@ __device__ __forceinline__ float kvq_half2_sum(uint pair) {
     asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
         : "=f"(low), "=f"(high) : "r"(pair));
     return low + high;
+}
+
+// Scale groups 2 (r / 4) and 2 (r / 4) + 1 of a token's row of scales in a stage.
+__device__ __forceinline__ float2 kvq_scale_pair(const uchar* row, uint r) {
+#if KVQ_SCALE_HALF
+    float low, high;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(low), "=f"(high) : "r"(*(const uint*)(row + 4 * (r / 4))));
+    return make_float2(low, high);
+#else
+    return *(const float2*)(row + 8 * (r / 4));
+#endif
 }
 
 __device__ __forceinline__ float kvq_exp2(float x) {
@@ -134,6 +155,17 @@ __device__ __forceinline__ void kvq_copy16(uint shared, const void* global, uint
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(bytes) : "memory");
 }
 
+// One token's scales global -> shared (16 bytes, or 8 for fp16 scales: a row of fp16 scales is 8-byte aligned
+// only), zero-filled unless `valid`.
+__device__ __forceinline__ void kvq_copy_scales(uint shared, const void* global, bool valid) {
+#if KVQ_SCALE_HALF
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(shared), "l"(global), "r"(valid ? 8 : 0)
+                 : "memory");
+#else
+    kvq_copy16(shared, global, valid ? 16 : 0);
+#endif
+}
+
 // V's tile rows sit permuted, and their 16-byte chunks swizzled, so that each of the eight 32-bit reads of
 // a step (tokens 2c + e (+ 8), one word per lane) hits 32 distinct banks.
 __device__ __forceinline__ uint kvq_v_row(uint token) { return token ^ ((token >> 1) & 1u); }
@@ -144,19 +176,19 @@ __device__ __forceinline__ uint kvq_v_chunk(uint token, uint chunk) { return chu
 // itself started only once the previous reduce, which reads them, had finished.
 __device__ __forceinline__ void kvq_await_map_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// One lane's share of a tile's copies (five 16-byte chunks): where they go in a stage, and where they come
-// from for the warp's first tile; a warp's next tile lies KVQ_WARPS tiles on.
+// One lane's share of a tile's copies (four 16-byte chunks of codes and one token's scales): where they go
+// in a stage, and where they come from for the warp's first tile; a warp's next tile lies KVQ_WARPS tiles on.
 struct kvq_copy_plan {
-    const uchar* key;     // codes: K and V chunks `chunk` of tokens `token` and token + 8
+    const uchar* key;         // codes: K and V chunks `chunk` of tokens `token` and token + 8
     const uchar* value;
-    const float* scales;  // lanes 0-15: K scales of token lane; 16-31: V scales of token lane - 16
+    const kvq_scale* scales;  // lanes 0-15: K scales of token lane; 16-31: V scales of token lane - 16
     uint token, scale_token;
     uint key_at, value_at, value_next_at, scale_at;  // stage offsets
 };
 
 __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned long long first_token,
                                                           const uchar* key_codes, const uchar* value_codes,
-                                                          const float* key_scales, const float* value_scales) {
+                                                          const kvq_scale* key_scales, const kvq_scale* value_scales) {
     kvq_copy_plan plan;
     uint chunk = lane % 4;
     plan.token = lane / 4;
@@ -167,7 +199,7 @@ __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned lon
     plan.key_at = plan.token * KVQ_ROW_BYTES + 16 * chunk;
     plan.value_at = KVQ_V_AT + kvq_v_row(plan.token) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token, chunk);
     plan.value_next_at = KVQ_V_AT + kvq_v_row(plan.token + 8) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token + 8, chunk);
-    plan.scale_at = (lane < KVQ_TILE ? KVQ_KS_AT : KVQ_VS_AT) + plan.scale_token * 16;
+    plan.scale_at = (lane < KVQ_TILE ? KVQ_KS_AT : KVQ_VS_AT) + plan.scale_token * KVQ_SCALE_ROW_BYTES;
     return plan;
 }
 
@@ -177,7 +209,7 @@ __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint s
     unsigned long long step = (unsigned long long)i * KVQ_WARPS * KVQ_TILE;
     const uchar* key = plan.key + step * KVQ_ROW_BYTES;
     const uchar* value = plan.value + step * KVQ_ROW_BYTES;
-    const float* scales = plan.scales + step * KVQ_GROUPS;
+    const kvq_scale* scales = plan.scales + step * KVQ_GROUPS;
     bool valid = t0 + plan.token < end, next_valid = t0 + plan.token + 8 < end;
     bool scale_valid = t0 + plan.scale_token < end;
     const uint next = 8 * KVQ_ROW_BYTES;
@@ -187,13 +219,12 @@ __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint s
     kvq_copy16(stage + plan.value_at, valid ? value : value - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
     kvq_copy16(stage + plan.value_next_at, next_valid ? value + next : value - plan.token * KVQ_ROW_BYTES,
                next_valid ? 16 : 0);
-    kvq_copy16(stage + plan.scale_at, scale_valid ? scales : scales - plan.scale_token * KVQ_GROUPS,
-               scale_valid ? 16 : 0);
+    kvq_copy_scales(stage + plan.scale_at, scale_valid ? scales : scales - plan.scale_token * KVQ_GROUPS, scale_valid);
 }
 
 __device__ __forceinline__ void kvq_packed_split(
-    uchar* stages, const float* mapped_query, const uchar* key_codes, const float* key_scales,
-    const uchar* value_codes, const float* value_scales, float* partial, float* maxima, float* sums, uint start,
+    uchar* stages, const float* mapped_query, const uchar* key_codes, const kvq_scale* key_scales,
+    const uchar* value_codes, const kvq_scale* value_scales, float* partial, float* maxima, float* sums, uint start,
     uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split, float scale) {
     uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
     uint head = r % KVQ_HEADS;
@@ -291,8 +322,8 @@ __device__ __forceinline__ void kvq_packed_split(
 #pragma unroll
             for (uint e = 0; e < 2; ++e) {
                 uint token = 8 * n + 2 * c + e;
-                float2 k_scale = *(const float2*)(tile + KVQ_KS_AT + token * 16 + 8 * (r / 4));
-                v_scale[2 * n + e] = *(const float2*)(tile + KVQ_VS_AT + token * 16 + 8 * (r / 4));
+                float2 k_scale = kvq_scale_pair(tile + KVQ_KS_AT + token * KVQ_SCALE_ROW_BYTES, r);
+                v_scale[2 * n + e] = kvq_scale_pair(tile + KVQ_VS_AT + token * KVQ_SCALE_ROW_BYTES, r);
                 float share = k_scale.x * s[n][e] + k_scale.y * s[n][2 + e];
                 float full = share + __shfl_xor_sync(KVQ_FULL, share, 16);
                 score[2 * n + e] = t0 + token < end ? full : KVQ_NEG_INF;
@@ -442,8 +473,8 @@ __device__ __forceinline__ void kvq_window_split(const kvq_elem* query, const kv
 // (B, Hq, splits, D) and (B, Hq, splits). With device_lengths the token counts come from `lengths`
 // (packed << 32 | window).
 extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq_decode_partial(
-    const float* mapped_query, const kvq_elem* query, const uchar* key_codes, const float* key_scales,
-    const uchar* value_codes, const float* value_scales, const kvq_elem* window_keys, const kvq_elem* window_values,
+    const float* mapped_query, const kvq_elem* query, const uchar* key_codes, const kvq_scale* key_scales,
+    const uchar* value_codes, const kvq_scale* value_scales, const kvq_elem* window_keys, const kvq_elem* window_values,
     float* partial, float* maxima, float* sums, const long long* lengths, uint n_packed, uint n_window,
     uint tokens_per_split, uint n_packed_splits, uint kv_heads, uint gqa, uint capacity, uint window_capacity,
     float scale, uint device_lengths) {

@@ -71,8 +71,8 @@ __device__ __forceinline__ void kvq_prefetch_rows(const KVQ_IN_T* x, uint first,
 
 // Twelve warps per SM at 168 registers: left alone, the staged build took 204 registers, for fewer warps.
 extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 12 * KVQ_WARP / KVQ_BLOCK) kvq_quantize(
-    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, uchar* codes, float* scales, uint n,
-    uint prefetch_ahead) {
+    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, uchar* codes, KVQ_SCALE_T* scales,
+    uint n, uint prefetch_ahead) {
     uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x, lane = threadIdx.x % KVQ_WARP;
     uint first = vec - lane;  // the warp's first row; its part of each tile starts at row first % KVQ_BLOCK
 #if KVQ_STAGE_CODES
@@ -107,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 12 * KVQ_WARP / KVQ_BLOC
 }
 
 extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_dequantize(
-    const uchar* codes, const float* scales, const uint* sign_words, const float* inverse_lam, uint has_lam,
+    const uchar* codes, const KVQ_SCALE_T* scales, const uint* sign_words, const float* inverse_lam, uint has_lam,
     KVQ_OUT_T* x, uint n) {
     uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x, lane = threadIdx.x % KVQ_WARP, first = vec - lane;
 #if KVQ_STAGE_OUT

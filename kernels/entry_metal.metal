@@ -2,7 +2,7 @@
 // Scalars arrive as one-element uint32 buffers (compile_shader binds tensors by buffer index).
 kernel void kvq_quantize(device const KVQ_IN_T* x [[buffer(0)]], device const uint* sign_words [[buffer(1)]],
                          device const float* lam [[buffer(2)]], device const uint* has_lam [[buffer(3)]],
-                         device uchar* codes [[buffer(4)]], device float* scales [[buffer(5)]],
+                         device uchar* codes [[buffer(4)]], device KVQ_SCALE_T* scales [[buffer(5)]],
                          device const uint* n [[buffer(6)]], uint vec [[thread_position_in_grid]]) {
     if (vec >= n[0]) return;
     device uint* code_words = (device uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
@@ -10,7 +10,7 @@ kernel void kvq_quantize(device const KVQ_IN_T* x [[buffer(0)]], device const ui
     kvq_quantize_body(row, 0, sign_words, lam, has_lam[0], code_words, 0, scales, vec);
 }
 
-kernel void kvq_dequantize(device const uchar* codes [[buffer(0)]], device const float* scales [[buffer(1)]],
+kernel void kvq_dequantize(device const uchar* codes [[buffer(0)]], device const KVQ_SCALE_T* scales [[buffer(1)]],
                            device const uint* sign_words [[buffer(2)]],
                            device const float* inverse_lam [[buffer(3)]],
                            device const uint* has_lam [[buffer(4)]], device KVQ_OUT_T* x [[buffer(5)]],

@@ -25,6 +25,9 @@ KVQ_DEVICE_FN uint kvq_float_to_half(float value) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out) : "f"(value));
     return out;
 }
+typedef ushort kvq_half;
+#define kvq_to_half(x) ((kvq_half)kvq_float_to_half(x))
+#define kvq_from_half(h) kvq_half_to_float(h)
 KVQ_DEVICE_FN uint kvq_float_to_bf16(float value) {
     ushort out;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(value));

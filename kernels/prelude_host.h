@@ -1,5 +1,5 @@
 // Host (C++) words for quant_body.h: the tests compile the shared body with the system compiler and
-// check it against the torch reference where no GPU is. float32 in and out only.
+// check it against the torch reference where no GPU is. float32 in and out only; scales as the plan says.
 #include <cmath>
 #include <cstring>
 typedef unsigned int uint;
@@ -14,6 +14,9 @@ struct uint4 { uint x, y, z, w; };
 #define kvq_sqrt(x) std::sqrt(x)
 #define kvq_fabs(x) std::fabs(x)
 #define kvq_max(a, b) std::fmax(a, b)
+typedef _Float16 kvq_half;  // GCC 12+ and Clang on x86-64 and arm64
+#define kvq_to_half(x) ((kvq_half)(x))
+#define kvq_from_half(h) ((float)(h))
 
 static inline float kvq_bits_float(uint word) {
     float out;

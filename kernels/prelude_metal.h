@@ -14,6 +14,10 @@ typedef ulong kvq_index;
 #define kvq_sqrt(x) precise::sqrt(x)
 #define kvq_fabs(x) fabs(x)
 #define kvq_max(a, b) max(a, b)
+// float -> half rounds to nearest even (Metal Shading Language spec, 2.7), as torch's .to(float16).
+typedef half kvq_half;
+#define kvq_to_half(x) ((half)(x))
+#define kvq_from_half(h) ((float)(h))
 
 #if defined(KVQ_IN_FLOAT32)
 #define KVQ_IN_T float

@@ -12,7 +12,8 @@
 // KVQ_UNROLL, kvq_fma (fused, one rounding), kvq_sqrt, kvq_fabs, kvq_max, kvq_float_bits /
 // kvq_bits_float (bit casts), uint4, and the element types' word access: KVQ_IN_T / KVQ_OUT_T,
 // KVQ_IN_PER_WORD / KVQ_OUT_PER_WORD (elements per 32-bit word), kvq_in_element(word, e),
-// kvq_out_word(values).
+// kvq_out_word(values); and an IEEE half type for scales: kvq_half, kvq_to_half (round to nearest even,
+// subnormals kept) and kvq_from_half.
 // The caller defines the shape constants:
 //   KVQ_D      head_dim (power of two, 8..512)
 //   KVQ_GROUP  coordinates sharing one scale (KVQ_D for per-token), a power of two >= 2
@@ -20,6 +21,7 @@
 //   KVQ_ROT    0 identity, 1 SRHT, 2 SRFT
 //   KVQ_TWIDDLES  cos, sin of pi k / (D/2) for k < D/2, as float literals: constant indices into a
 //                 constant table let the compiler fold them into the butterflies' instructions
+//   KVQ_SCALE_HALF  1: scales are stored as fp16 (ScalarQuantizer's scale_dtype float16), 0: float32
 // Host constants (16-byte aligned): sign_words, the rotation's signs as XOR masks over the 32-bit words
 // of the input (quantize) or output (dequantize) element type: a sign flip is exact, so it costs one
 // logic instruction per word instead of a load and a multiply per element; lam (D floats, read when
@@ -36,6 +38,14 @@
 // complement, in the low bits of the float's word (the ulp there is 1 and the sum stays above 2^23).
 #define KVQ_ROUND_MAGIC 12582912.0f
 #define KVQ_ROUND_MAGIC_BITS 0x4B400000u
+
+#if KVQ_SCALE_HALF
+#define KVQ_SCALE_T kvq_half
+#define kvq_scale_value(stored) kvq_from_half(stored)
+#else
+#define KVQ_SCALE_T float
+#define kvq_scale_value(stored) (stored)
+#endif
 
 // The low bytes of four words, a's lowest.
 KVQ_DEVICE_FN uint kvq_low_bytes(uint a, uint b, uint c, uint d) {
@@ -252,7 +262,7 @@ KVQ_DEVICE_FN void kvq_scale_by(KVQ_THREAD float* y, KVQ_GMEM const float* facto
 // aligned: D * size >= 16).
 KVQ_DEVICE_FN void kvq_quantize_body(
     KVQ_GMEM const uint4* row, uint row_swizzle, KVQ_GMEM const uint* sign_words, KVQ_GMEM const float* lam,
-    uint has_lam, KVQ_GMEM uint* code_words, uint code_swizzle, KVQ_GMEM float* scales, uint vec) {
+    uint has_lam, KVQ_GMEM uint* code_words, uint code_swizzle, KVQ_GMEM KVQ_SCALE_T* scales, uint vec) {
     float y[KVQ_D];
     KVQ_GMEM const uint4* flips = (KVQ_GMEM const uint4*)sign_words;
     KVQ_UNROLL for (uint c = 0; c < KVQ_IN_CHUNKS; ++c) {
@@ -271,10 +281,18 @@ KVQ_DEVICE_FN void kvq_quantize_body(
         float amax = 0.0f;
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) amax = kvq_max(amax, kvq_fabs(y[i]));
         float scale = amax > 0.0f ? amax / (float)KVQ_QMAX : 1.0f;  // in the unscaled rotation's units
-        scales[(kvq_index)vec * KVQ_GROUPS + g] = scale * (amax > 0.0f ? KVQ_ROTATION_NORM : 1.0f);
+        float norm = amax > 0.0f ? KVQ_ROTATION_NORM : 1.0f;
+#if KVQ_SCALE_HALF
+        // Codes divide by the scale as stored, as the reference's do (ScalarQuantizer._stored).
+        kvq_half stored = kvq_to_half(scale * norm);
+        scales[(kvq_index)vec * KVQ_GROUPS + g] = stored;
+        inverse[g] = norm / kvq_from_half(stored);
+#else
+        scales[(kvq_index)vec * KVQ_GROUPS + g] = scale * norm;
         // One division per group: y * (1 / scale) is within an ulp of y / scale, so codes can differ from
         // the reference's only at round-half ties (which the tests count).
         inverse[g] = 1.0f / scale;
+#endif
     }
     // No clamp: |y| <= amax keeps |y * inverse| within QMAX (1 + 3 ulp), which rounds to at most QMAX.
     // A rounded word's low byte is its code as int8, so codes pack by gathering low bytes (byte permutes
@@ -307,7 +325,7 @@ KVQ_DEVICE_FN float kvq_code_value(uint code_bits) {
 // Inverse: vector `vec` of codes, scales -> its row in the output type, written as 16-byte chunks,
 // chunk c to row[c ^ swizzle].
 KVQ_DEVICE_FN void kvq_dequantize_body(
-    KVQ_GMEM const uchar* codes, KVQ_GMEM const float* scales, KVQ_GMEM const uint* sign_words,
+    KVQ_GMEM const uchar* codes, KVQ_GMEM const KVQ_SCALE_T* scales, KVQ_GMEM const uint* sign_words,
     KVQ_GMEM const float* inverse_lam, uint has_lam, KVQ_GMEM uint4* row, uint swizzle, uint vec) {
     float y[KVQ_D];
     KVQ_GMEM const uint* code_words = (KVQ_GMEM const uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
@@ -318,7 +336,7 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
         }
     }
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
-        float scale = scales[(kvq_index)vec * KVQ_GROUPS + g] * KVQ_ROTATION_NORM;
+        float scale = kvq_scale_value(scales[(kvq_index)vec * KVQ_GROUPS + g]) * KVQ_ROTATION_NORM;
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) y[i] *= scale;
     }
     if (has_lam) kvq_scale_by(y, inverse_lam);

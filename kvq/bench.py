@@ -22,7 +22,7 @@ from kvq.errors import KvqError
 from kvq.kernels.decode_attention import PackedKV, decode_attention, packed_read_bytes
 from kvq.quant.packing import pack
 from kvq.quant.rotated import RotatedQuantizer
-from kvq.quant.scalar import ScalarQuantizer
+from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
 from kvq.rotations import SRFT, SRHT, Identity
 
 # Datasheet HBM bandwidth (bytes/s) by device name fragment; the measured copy rate is reported beside it.
@@ -84,9 +84,9 @@ def copy_bandwidth(device: str, n_bytes: int = 1 << 30) -> float:
     return 2 * n_bytes / time_call(lambda: target.copy_(source), device, repeats=10)
 
 
-def quantize_bytes(vectors: int, d: int, groups: int) -> int:
-    """Bytes an int4 quantize call moves: fp16 rows in, packed codes and fp32 scales out."""
-    return vectors * (d * 2 + d // 2 + 4 * groups)
+def quantize_bytes(vectors: int, d: int, groups: int, scale_bytes: int = 4) -> int:
+    """Bytes an int4 quantize call moves: fp16 rows in, packed codes and scales out."""
+    return vectors * (d * 2 + d // 2 + scale_bytes * groups)
 
 
 def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int = 32) -> list[dict]:
@@ -95,14 +95,17 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
     rows = []
     # The identity and SRHT rows price the rotation: the same staging, abs-max and packing with no
     # transform and with a cheaper one (RESULTS.md item 29).
-    for label, rotation, granularity, lam in (
-            ("srft int4 per-token", SRFT, "per_token", None),
-            ("srft int4 g32 + lambda", SRFT, "per_group", torch.rand(d) + 0.5),
-            ("srht int4 per-token", SRHT, "per_token", None),
-            ("identity int4 per-token", Identity, "per_token", None)):
-        quantizer = RotatedQuantizer(rotation(d, 0), ScalarQuantizer(4, granularity, group), lam)
+    calibrated = torch.rand(d) + 0.5
+    for label, rotation, granularity, lam, scale_dtype in (
+            ("srft int4 per-token", SRFT, "per_token", None, "float32"),
+            ("srft int4 g32 + lambda", SRFT, "per_group", calibrated, "float32"),
+            ("srft int4 g32 + lambda, fp16 scales", SRFT, "per_group", calibrated, "float16"),
+            ("srht int4 per-token", SRHT, "per_token", None, "float32"),
+            ("identity int4 per-token", Identity, "per_token", None, "float32")):
+        quantizer = RotatedQuantizer(rotation(d, 0), ScalarQuantizer(4, granularity, group, scale_dtype=scale_dtype),
+                                     lam)
         groups = 1 if granularity == "per_token" else d // group
-        moved = quantize_bytes(vectors, d, groups)
+        moved = quantize_bytes(vectors, d, groups, SCALE_DTYPES[scale_dtype].itemsize)
         fused = time_call(lambda q=quantizer: kernels.encode(q, x), device, graph=True)
         eager = time_call(lambda q=quantizer: kernels.encode(q, x), device)
         reference = time_call(lambda q=quantizer: q.encode(x), device, repeats=5)
@@ -120,12 +123,12 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
 
 
 def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group: int, device: str,
-                  generator: torch.Generator | None = None) -> PackedKV:
+                  generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32) -> PackedKV:
     """Random codes over +-qmax with scales that give K/V of unit size whatever the width."""
     high = 1 << (bits - 1)
     codes = torch.randint(1 - high, high, (batch, heads, tokens, d), generator=generator)
     scales = (torch.rand(batch, heads, tokens, d // group, generator=generator) * 0.3 + 0.05) * 7 / (high - 1)
-    return PackedKV(pack(codes, bits).to(device), scales.to(device), bits, d)
+    return PackedKV(pack(codes, bits).to(device), scales.to(device, scale_dtype), bits, d)
 
 
 # Decode reads a different layer's cache at every attention call. At 32K tokens one layer's packed
@@ -139,17 +142,20 @@ def time_per_layer(step: Callable, layers: list[tuple], device: str) -> float:
     return time_call(lambda: [step(*args) for args in layers], device, graph=True) / len(layers)
 
 
-def packed_layers(tokens: int, kv_heads: int, d: int, group: int, device: str, layers: int = LAYERS):
+def packed_layers(tokens: int, kv_heads: int, d: int, group: int, device: str, layers: int = LAYERS,
+                  scale_dtype: torch.dtype = torch.float32):
     """(keys, values) packed int4 caches for `layers` layers."""
-    return [tuple(random_packed(1, kv_heads, tokens, d, 4, group, device) for _ in range(2)) for _ in range(layers)]
+    return [tuple(random_packed(1, kv_heads, tokens, d, 4, group, device, scale_dtype=scale_dtype) for _ in range(2))
+            for _ in range(layers)]
 
 
 def attention_step(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int,
-                   layers: int = LAYERS) -> tuple:
+                   layers: int = LAYERS, scale_dtype: str = "float32") -> tuple:
     """The benched decode attention step: (SRFT int4 quantizer, `layers` packed caches of `tokens` tokens,
-    fp16 query (1, q_heads, 1, d), step(keys, values) -> fused attention with an 8-token window)."""
-    quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, "per_group", group))
-    caches = packed_layers(tokens, kv_heads, d, group, device, layers)
+    fp16 query (1, q_heads, 1, d), step(keys, values) -> fused attention with an 8-token window). scale_dtype:
+    the caches' and the quantizer's scales, as ScalarQuantizer names them."""
+    quantizer = RotatedQuantizer(SRFT(d, 0), ScalarQuantizer(4, "per_group", group, scale_dtype=scale_dtype))
+    caches = packed_layers(tokens, kv_heads, d, group, device, layers, SCALE_DTYPES[scale_dtype])
     window = torch.randn(1, kv_heads, 8, d, device=device, dtype=torch.float16)
     q16 = torch.randn(1, q_heads, 1, d, device=device, dtype=torch.float16)
     rotation = quantizer.rotation.matrix().to(device)
@@ -157,8 +163,10 @@ def attention_step(device: str, tokens: int, q_heads: int, kv_heads: int, d: int
     return quantizer, caches, q16, lambda keys, values: step(keys, values, window, window, rotation, d ** -0.5)
 
 
-def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int) -> dict:
-    quantizer, caches, q16, step = attention_step(device, tokens, q_heads, kv_heads, d, group)
+def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int,
+                   scale_dtype: str) -> dict:
+    quantizer, caches, q16, step = attention_step(device, tokens, q_heads, kv_heads, d, group,
+                                                  scale_dtype=scale_dtype)
     fused = time_per_layer(step, caches, device)
     eager = time_call(lambda: step(*caches[0]), device)
     fp16 = [tuple(torch.randn(1, kv_heads, tokens, d, device=device, dtype=torch.float16) for _ in range(2))
@@ -172,17 +180,20 @@ def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int
 
     dequant = time_per_layer(dequantize_then_sdpa, caches, device)
     return {
-        "context": tokens, "q_heads": q_heads, "kv_heads": kv_heads, "d": d, "layers_cycled": len(caches),
+        "context": tokens, "scales": scale_dtype, "q_heads": q_heads, "kv_heads": kv_heads, "d": d,
+        "layers_cycled": len(caches),
         "fused_int4_us": fused * 1e6, "fused_eager_call_us": eager * 1e6, "sdpa_fp16_us": sdpa * 1e6,
         "dequantize_then_sdpa_us": dequant * 1e6,
         "speedup_vs_sdpa_fp16": sdpa / fused, "speedup_vs_dequantize_then_sdpa": dequant / fused,
-        "fused_GBps": packed_read_bytes(1, kv_heads, tokens, d, 4, group) / fused / 1e9,
+        "fused_GBps": packed_read_bytes(1, kv_heads, tokens, d, 4, group, SCALE_DTYPES[scale_dtype].itemsize)
+        / fused / 1e9,
     }
 
 
 def bench_attention(device: str, contexts=(1024, 8192, 32768, 131072), q_heads: int = 32, kv_heads: int = 8,
-                    d: int = 128, group: int = 32) -> list[dict]:
-    return [_attention_row(device, tokens, q_heads, kv_heads, d, group) for tokens in contexts]
+                    d: int = 128, group: int = 32, scale_dtypes=("float32", "float16")) -> list[dict]:
+    return [_attention_row(device, tokens, q_heads, kv_heads, d, group, scale_dtype)
+            for scale_dtype in scale_dtypes for tokens in contexts]
 
 
 def bench_kernels(device: str, vectors: int = 262144, contexts=(1024, 8192, 32768, 131072)) -> dict:
@@ -347,9 +358,10 @@ def kernels_tables(result: dict) -> str:
           _fmt(r["inverse_ns_per_vector"], 2), _fmt(r["eager_call_us"]), _fmt(r["reference_call_us"])]
          for r in result["quantize"]])
     attention = markdown_table(
-        ["context", "fused int4 us", "SDPA fp16 us", "dequant+SDPA us", "vs SDPA fp16", "vs dequant+SDPA",
+        ["context", "scales", "fused int4 us", "SDPA fp16 us", "dequant+SDPA us", "vs SDPA fp16", "vs dequant+SDPA",
          "fused GB/s", "fused eager call us"],
-        [[str(r["context"]), _fmt(r["fused_int4_us"]), _fmt(r["sdpa_fp16_us"]), _fmt(r["dequantize_then_sdpa_us"]),
+        [[str(r["context"]), r["scales"], _fmt(r["fused_int4_us"]),
+          _fmt(r["sdpa_fp16_us"]), _fmt(r["dequantize_then_sdpa_us"]),
           _fmt(r["speedup_vs_sdpa_fp16"], 2) + "x", _fmt(r["speedup_vs_dequantize_then_sdpa"], 2) + "x",
           _fmt(r["fused_GBps"]), _fmt(r["fused_eager_call_us"])] for r in result["attention"]])
     peak, copy = result["peak_bandwidth_Bps"], result["copy_bandwidth_Bps"]

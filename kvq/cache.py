@@ -127,7 +127,8 @@ class PackedStore:
         groups, _ = quantizer.inner.grouping(head_dim)
         # whole capacity (decode graphs take it); the first `length` rows are filled
         self.buffers = PackedKV(torch.empty(*lead_shape, 0, head_dim * bits // 8, dtype=torch.uint8, device=device),
-                                torch.empty(*lead_shape, 0, groups, dtype=torch.float32, device=device), bits, head_dim)
+                                torch.empty(*lead_shape, 0, groups, dtype=quantizer.inner.scale_dtype, device=device),
+                                bits, head_dim)
         self.length = 0
 
     @staticmethod

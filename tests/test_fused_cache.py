@@ -31,7 +31,8 @@ def reference_attention(query, keys, values, scale):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec, prompt", [(QuantSpec("srft", 4, "per_group", 32), 37), (QuantSpec("srht", 8), 37),
                                           (QuantSpec("int", 4, "per_token"), 37),
-                                          (QuantSpec("srft", 4, "per_group", 32), 5)])
+                                          (QuantSpec("srft", 4, "per_group", 32), 5),
+                                          (QuantSpec("srft", 4, "per_group", 32, scale_dtype="float16"), 37)])
 def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt, monkeypatch):
     """Twenty decode steps cross a window flush; a 5-token prompt starts with nothing packed. On CUDA the
     int4 g32 case runs kernels/decode_attention.cu's partial kernel, whatever the length."""
@@ -81,18 +82,20 @@ def test_fused_layer_keeps_decode_rows_that_no_attend_wrote():
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
-def test_fused_memory_counts_allocated_buffers():
-    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), KVGeometry(1, 2, 128))
+@pytest.mark.parametrize("scale_dtype, scale_bytes", [("float32", 4), ("float16", 2)])
+def test_fused_memory_counts_allocated_buffers(scale_dtype, scale_bytes):
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32, scale_dtype=scale_dtype), KVGeometry(1, 2, 128))
     layer = FusedLayer(bank, 0, 16)
     layer.update(torch.randn(1, 2, 1030, 128).half(), torch.randn(1, 2, 1030, 128).half())
-    # codes 64 B + 4 fp32 scales per token for 1024 packed tokens and 64 spare; the window holds 16 fp16 tokens
-    per_role = 2 * ((1024 + PackedStore.MIN_GROWTH) * (64 + 16) + 16 * 128 * 2)
+    # codes 64 B + 4 scales per token for 1024 packed tokens and 64 spare; the window holds 16 fp16 tokens
+    per_role = 2 * ((1024 + PackedStore.MIN_GROWTH) * (64 + 4 * scale_bytes) + 16 * 128 * 2)
     assert layer.persistent_bytes() == 2 * per_role
 
 
 def test_fused_cache_refuses_what_it_cannot_hold():
     assert packing_reason(QuantizerBank(QuantSpec("srft", 4), KVGeometry(1, 1, 64)).get(0, "k")) is None
-    for spec in (QuantSpec("srft", 3), QuantSpec("int", 4, "per_channel"), QuantSpec("hqmq", 4)):
+    for spec in (QuantSpec("srft", 3), QuantSpec("int", 4, "per_channel"), QuantSpec("hqmq", 4),
+                 QuantSpec("srft", 4, scale_dtype="bfloat16")):
         bank = QuantizerBank(spec, KVGeometry(1, 1, 64))
         with pytest.raises(KvqError):
             FusedLayer(bank, 0, 16)

@@ -31,9 +31,11 @@ ROTATIONS = {"identity": Identity, "srht": SRHT, "srft": SRFT}
 TIE_WINDOW = 1e-3  # |frac(y / scale)| this close to 0.5 counts as a rounding tie
 
 
-def quantizer(rotation="srft", d=128, bits=4, granularity="per_token", group=32, lam=False, seed=0):
+def quantizer(rotation="srft", d=128, bits=4, granularity="per_token", group=32, lam=False, seed=0,
+              scales="float32"):
     lam_vector = torch.rand(d, generator=torch.Generator().manual_seed(seed)) + 0.25 if lam else None
-    return RotatedQuantizer(ROTATIONS[rotation](d, seed), ScalarQuantizer(bits, granularity, group), lam_vector)
+    inner = ScalarQuantizer(bits, granularity, group, scale_dtype=scales)
+    return RotatedQuantizer(ROTATIONS[rotation](d, seed), inner, lam_vector)
 
 
 def test_plans_cover_the_papers_kernels_and_name_the_rest():
@@ -46,22 +48,29 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
     assert "int4/int8" in unsupported_reason(quantizer(bits=3))
     assert "power-of-two group" in unsupported_reason(quantizer(granularity="per_group", group=24))
     assert "head_dim" in unsupported_reason(quantizer("srft", 96))
+    assert plan_for(quantizer(scales="float16")).scale_dtype == torch.float16
+    assert plan_for(quantizer(scales="float16")).defines()["KVQ_SCALE_HALF"] == 1
+    assert "float32 or float16 scales" in unsupported_reason(quantizer(scales="bfloat16"))
 
 
-@pytest.mark.parametrize("d, group, q_heads, tokens, window_dtype, fits", [
-    (128, 32, 32, 16384, torch.float16, True),  # Llama-3-8B's shapes, from 16K tokens
-    (128, 32, 32, 8192, torch.float16, False),  # shorter: Triton was the faster
-    (128, 32, 8, 65536, torch.float16, True),  # one query head per KV head
-    (64, 32, 16, 65536, torch.float16, False),  # head_dim 64: the kernel's layouts are for 128
-    (128, 128, 32, 65536, torch.float16, False),  # per-token scales
-    (128, 32, 56, 65536, torch.float16, False),  # 7 query heads per KV head: more rows than the fragments
-    (128, 32, 32, 65536, torch.float32, False),  # window in another dtype than the query
+@pytest.mark.parametrize("d, group, q_heads, tokens, window_dtype, scales, fits", [
+    (128, 32, 32, 16384, torch.float16, (torch.float32, torch.float32), True),  # Llama-3-8B's, from 16K tokens
+    (128, 32, 32, 8192, torch.float16, (torch.float32, torch.float32), False),  # shorter: Triton was the faster
+    (128, 32, 8, 65536, torch.float16, (torch.float32, torch.float32), True),  # one query head per KV head
+    (64, 32, 16, 65536, torch.float16, (torch.float32, torch.float32), False),  # head_dim 64: layouts are for 128
+    (128, 128, 32, 65536, torch.float16, (torch.float32, torch.float32), False),  # per-token scales
+    (128, 32, 56, 65536, torch.float16, (torch.float32, torch.float32), False),  # 7 query heads per KV head
+    (128, 32, 32, 65536, torch.float32, (torch.float32, torch.float32), False),  # window dtype is not the query's
+    (128, 32, 32, 65536, torch.float16, (torch.float16, torch.float16), True),  # fp16 scales
+    (128, 32, 32, 65536, torch.float16, (torch.float16, torch.float32), False),  # K and V scales differ
+    (128, 32, 32, 65536, torch.float16, (torch.bfloat16, torch.bfloat16), False),
 ])
-def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, tokens, window_dtype, fits):
-    keys = random_packed(1, 8, 4, d, 4, group, "cpu")
+def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, tokens, window_dtype, scales,
+                                                                fits):
+    keys, values = (random_packed(1, 8, 4, d, 4, group, "cpu", scale_dtype=dtype) for dtype in scales)
     query = torch.zeros(1, q_heads, d, dtype=torch.float16)
     window = torch.zeros(1, 8, 2, d, dtype=window_dtype)
-    assert decode_attention._cuda_partial_fits(query, keys, keys, window, window, tokens) == fits
+    assert decode_attention._cuda_partial_fits(query, keys, values, window, window, tokens) == fits
 
 
 @pytest.mark.parametrize("registers, shared, warps, expected", [
@@ -119,53 +128,72 @@ def test_metal_translation_unit_parses_with_the_shared_body(tmp_path, rotation, 
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _pre_round(q: RotatedQuantizer, x: torch.Tensor) -> torch.Tensor:
-    """The reference's y / scale before rounding, per coordinate."""
+def _pre_round(q: RotatedQuantizer, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's y / scale before rounding, per coordinate; `scale` (..., groups, 1): divide by these
+    instead of the reference's own."""
     y = q.rotation.forward(x.float())
     if q.lam is not None:
         y = y * q._lam(y)
-    packed = q.inner.encode(y)
-    scale = packed.scale.float().expand(*packed.scale.shape[:-1], y.shape[-1] // packed.scale.shape[-2])
+    if scale is None:
+        scale = q.inner.encode(y).scale
+    scale = scale.float().expand(*scale.shape[:-1], y.shape[-1] // scale.shape[-2])
     return y / scale.reshape(y.shape)
 
 
 CASES = [
-    ("srft", 64, 4, "per_token", 32, False, torch.float32, 4096),
-    ("srft", 128, 4, "per_group", 32, True, torch.float16, 262144 // 64),
-    ("srft", 256, 8, "per_group", 2, False, torch.bfloat16, 777),
-    ("srht", 128, 8, "per_token", 32, True, torch.float32, 1000),
-    ("srht", 64, 4, "per_group", 16, False, torch.float16, 3),
-    ("identity", 128, 4, "per_group", 64, True, torch.float32, 513),
-    ("srft", 512, 4, "per_group", 128, False, torch.float32, 65),
-    ("srft", 8, 4, "per_token", 32, False, torch.float32, 100),
+    ("srft", 64, 4, "per_token", 32, False, torch.float32, 4096, "float32"),
+    ("srft", 128, 4, "per_group", 32, True, torch.float16, 262144 // 64, "float32"),
+    ("srft", 256, 8, "per_group", 2, False, torch.bfloat16, 777, "float32"),
+    ("srht", 128, 8, "per_token", 32, True, torch.float32, 1000, "float32"),
+    ("srht", 64, 4, "per_group", 16, False, torch.float16, 3, "float32"),
+    ("identity", 128, 4, "per_group", 64, True, torch.float32, 513, "float32"),
+    ("srft", 512, 4, "per_group", 128, False, torch.float32, 65, "float32"),
+    ("srft", 8, 4, "per_token", 32, False, torch.float32, 100, "float32"),
     # the bench's shape (`kvq bench kernels`), a few vectors more: a partial last block after five waves
-    ("srft", 128, 4, "per_token", 128, False, torch.float16, 262144 + 77),
+    ("srft", 128, 4, "per_token", 128, False, torch.float16, 262144 + 77, "float32"),
+    # fp16 scales (ScalarQuantizer's scale_dtype float16)
+    ("srft", 128, 4, "per_group", 32, True, torch.float16, 262144 // 16, "float16"),
+    ("srht", 64, 8, "per_token", 32, False, torch.bfloat16, 1000, "float16"),
+    ("identity", 128, 4, "per_group", 16, True, torch.float32, 513, "float16"),
 ]
 
 
 def _assert_matches_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                               label: str) -> None:
-    """Codes equal the reference's except at round-half ties (counted), scales within 1e-6."""
+    """Codes equal the reference's except at round-half ties (counted); float32 scales within 1e-6, fp16 scales
+    equal, or one fp16 step off where the two float32 scales round to either side of a step (counted), and
+    there the codes are the reference's rounding with the kernel's scale."""
     expected = q.encode(x)
     ref_scale = expected.inner.scale
-    assert scale.shape == ref_scale.shape and scale.dtype == ref_scale.dtype == torch.float32
-    # Rotation arithmetic errs by ~1e-7 of a vector's norm, so a scale is compared relative to the largest
-    # scale of its vector: exactly 1e-6 relative for per-token scales, and fair to tiny groups.
-    vector_max = ref_scale.amax(dim=(-2, -1), keepdim=True)
-    assert ((scale - ref_scale).abs() <= 1e-6 * vector_max).all()
+    assert scale.shape == ref_scale.shape and scale.dtype == ref_scale.dtype == q.inner.scale_dtype
     bits, d = q.inner.bits, x.shape[-1]
     codes, ref_codes = unpack(codes, bits, d, signed=True), unpack(expected.inner.codes, bits, d, signed=True)
+    # Rotation arithmetic errs by ~1e-7 of a vector's norm, so a scale is compared relative to the largest
+    # scale of its vector: exactly 1e-6 relative for per-token scales, and fair to tiny groups.
+    vector_max = ref_scale.float().amax(dim=(-2, -1), keepdim=True)
+    if scale.dtype == torch.float32:
+        assert ((scale - ref_scale).abs() <= 1e-6 * vector_max).all()
+        pre_round = _pre_round(q, x)
+    else:
+        step = torch.maximum(ref_scale.float().abs() * 2.0 ** -10, torch.tensor(2.0 ** -24))  # one fp16 ulp, at most
+        moved = scale != ref_scale
+        assert ((scale.float() - ref_scale.float()).abs() <= step).all()
+        pre_round = _pre_round(q, x, scale)
+        recomputed = torch.round(pre_round).clamp(-q.inner.qmax, q.inner.qmax).to(ref_codes.dtype)
+        in_moved_group = moved.expand(*moved.shape[:-1], d // moved.shape[-2]).reshape(ref_codes.shape)
+        ref_codes = torch.where(in_moved_group, recomputed, ref_codes)
+        print(f"{label}: {int(moved.sum())} of {moved.numel()} fp16 scales one step from the reference's")
     differ = codes != ref_codes
-    ties = (_pre_round(q, x).abs().frac() - 0.5).abs() < TIE_WINDOW
+    ties = (pre_round.abs().frac() - 0.5).abs() < TIE_WINDOW
     print(f"{label}: {int(differ.sum())} of {differ.numel()} codes differ, all at round-half ties")
     assert not (differ & ~ties).any()
     assert (codes - ref_codes).abs().max() <= 1
 
 
-def _case(rotation, d, bits, granularity, group, lam, dtype, n, device):
-    q = quantizer(rotation, d, bits, granularity, group, lam, seed=n)
+def _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, device):
+    q = quantizer(rotation, d, bits, granularity, group, lam, seed=n, scales=scales)
     x = (torch.randn(n, d, generator=torch.Generator().manual_seed(n)) * 3).to(device, dtype)
-    return q, x, f"{rotation} d={d} int{bits} {granularity} g={group} lam={lam} {dtype}"
+    return q, x, f"{rotation} d={d} int{bits} {granularity} g={group} lam={lam} {dtype} {scales} scales"
 
 
 class _HostBackend(KernelBackend):
@@ -185,10 +213,10 @@ class _HostBackend(KernelBackend):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel body for the host")
-@pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n", CASES)
+@pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n, scales", CASES)
 def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, bits, granularity, group, lam, dtype,
-                                                        n):
-    q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), "cpu")
+                                                        n, scales):
+    q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), scales, "cpu")
     plan = plan_for(q)
     backend = _HostBackend(plan, tmp_path)
     codes, scales = backend.quantize(plan, x)
@@ -200,9 +228,9 @@ def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, b
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n", CASES)
-def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n):
-    q, x, label = _case(rotation, d, bits, granularity, group, lam, dtype, n, "cuda")
+@pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n, scales", CASES)
+def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n, scales):
+    q, x, label = _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, "cuda")
     packed = kernels.encode(q, x)
     assert kernels.unsupported_reason(q) is None
     _assert_matches_reference(q, x, packed.inner.codes, packed.inner.scale, label)
@@ -216,26 +244,30 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("partial", ["cuda", "triton"])
-@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, bits, group, dtype", [
-    (1, 32, 8, 128, 8192, 5, 4, 32, torch.float32),
-    (1, 32, 8, 128, 32768, 8, 4, 32, torch.float16),  # `kvq bench kernels`' 32K step
-    (2, 8, 8, 64, 100, 0, 4, 64, torch.float32),
-    (1, 4, 1, 256, 3000, 15, 8, 256, torch.float32),
-    (1, 14, 2, 64, 1, 1, 4, 32, torch.float32),
-    (3, 9, 3, 64, 517, 16, 4, 16, torch.float32),
+@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, bits, group, dtype, scales", [
+    (1, 32, 8, 128, 8192, 5, 4, 32, torch.float32, torch.float32),
+    (1, 32, 8, 128, 32768, 8, 4, 32, torch.float16, torch.float32),  # `kvq bench kernels`' 32K step
+    (2, 8, 8, 64, 100, 0, 4, 64, torch.float32, torch.float32),
+    (1, 4, 1, 256, 3000, 15, 8, 256, torch.float32, torch.float32),
+    (1, 14, 2, 64, 1, 1, 4, 32, torch.float32, torch.float32),
+    (3, 9, 3, 64, 517, 16, 4, 16, torch.float32, torch.float32),
     # shapes of kernels/decode_attention.cu: 1-4 query heads per KV head, ragged tiles, empty window
-    (2, 16, 4, 128, 3001, 16, 4, 32, torch.float16),
-    (1, 12, 4, 128, 777, 0, 4, 32, torch.bfloat16),
-    (1, 8, 8, 128, 70, 3, 4, 32, torch.float16),
-    (1, 4, 2, 128, 1, 16, 4, 32, torch.float32),
+    (2, 16, 4, 128, 3001, 16, 4, 32, torch.float16, torch.float32),
+    (1, 12, 4, 128, 777, 0, 4, 32, torch.bfloat16, torch.float32),
+    (1, 8, 8, 128, 70, 3, 4, 32, torch.float16, torch.float32),
+    (1, 4, 2, 128, 1, 16, 4, 32, torch.float32, torch.float32),
+    # fp16 scales (ScalarQuantizer's scale_dtype float16)
+    (1, 32, 8, 128, 32768, 8, 4, 32, torch.float16, torch.float16),
+    (2, 16, 4, 128, 3001, 16, 4, 32, torch.float16, torch.float16),
+    (3, 9, 3, 64, 517, 16, 4, 16, torch.float32, torch.float16),
 ])
 def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, bits,
-                                                      group, dtype, monkeypatch):
+                                                      group, dtype, scales, monkeypatch):
     monkeypatch.setattr(decode_attention, "LAUNCH", dataclasses.replace(decode_attention.LAUNCH, partial=partial))
     monkeypatch.setattr(decode_attention, "CUDA_PARTIAL_MIN_TOKENS", 0)  # the CUDA kernel at every length
     generator = torch.Generator().manual_seed(tokens)
-    keys = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator)
-    values = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator)
+    keys = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator, scales)
+    values = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator, scales)
     window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).to("cuda", dtype)
     window_keys, window_values = window_buffer[0, :, :, :window], window_buffer[1, :, :, :window]
     query = torch.randn(batch, q_heads, d, generator=generator).to("cuda", dtype)
@@ -246,8 +278,8 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     # the second call goes through the compiled kernels' own launchers
     assert torch.equal(_decode_attention_gpu(*arguments), got)
     error = (got.float() - expected.float()).abs().max().item()
-    print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window} int{bits} g={group} {dtype}: "
-          f"max abs {error:.2e}")
+    print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window} int{bits} g={group} {dtype} "
+          f"{scales} scales: max abs {error:.2e}")
     # fp16 and bf16 outputs are both rounded to the query's dtype: up to an ulp apart on top of the kernel's
     # own error; fp32 keeps the bare bound
     rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps * expected.float().abs().max().item()

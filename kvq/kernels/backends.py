@@ -21,7 +21,7 @@ class KernelBackend:
             rows = rows.clone()
         n = rows.shape[0]
         codes = torch.empty(n, plan.code_bytes, dtype=torch.uint8, device=rows.device)
-        scales = torch.empty(n, plan.groups, dtype=torch.float32, device=rows.device)
+        scales = torch.empty(n, plan.groups, dtype=plan.scale_dtype, device=rows.device)
         if n:
             self._launch(plan, "kvq_quantize", rows.dtype, torch.float32, n,
                          [rows, *self._constants(plan, rows.dtype, 0), codes, scales])

@@ -80,7 +80,7 @@ LAUNCH = LaunchConfig()
 
 @dataclass
 class PackedKV:
-    """Packed codes (B, H, T, d*bits/8) uint8 and fp32 scales (B, H, T, groups) of one role."""
+    """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -189,9 +189,10 @@ if triton is not None:
 
     @triton.jit
     def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr):
-        """(GROUPS, BLOCK) scales of a tile: one row per scale group."""
+        """(GROUPS, BLOCK) float32 scales of a tile (stored as float32 or fp16): one row per scale group."""
         groups = tl.arange(0, GROUPS)
-        return tl.load(scales_ptr + tokens[None, :] * GROUPS + groups[:, None], mask=valid[None, :], other=0.0)
+        scales = tl.load(scales_ptr + tokens[None, :] * GROUPS + groups[:, None], mask=valid[None, :], other=0.0)
+        return scales.to(tl.float32)
 
     @triton.jit
     def _load_window(ptr, tokens, valid, HALF: tl.constexpr):
@@ -386,6 +387,7 @@ if triton is not None:
 # step at 16K tokens against Triton's 19.1-19.2 (RESULTS.md item 27) and 24.2-24.7 against 27.0-27.1 at 32K,
 # but 14.9-15.0 against 13.8 at 8K (item 26).
 CUDA_PARTIAL_MIN_TOKENS = 16384
+CUDA_PARTIAL_SCALE_DTYPES = (torch.float32, torch.float16)
 
 
 def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values, tokens: int) -> bool:
@@ -394,16 +396,20 @@ def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, win
     return (LAUNCH.partial == "cuda" and tokens >= CUDA_PARTIAL_MIN_TOKENS and keys.bits == values.bits == 4
             and keys.head_dim == 128
             and keys.scales.shape[-1] == values.scales.shape[-1] == 4
+            and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in CUDA_PARTIAL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= 4 and query.dtype in DTYPE_DEFINES
             and window_keys.dtype == window_values.dtype == query.dtype)
 
 
-def cuda_partial_source(dtype: torch.dtype, kernel_text: str | None = None) -> str:
-    """The CUDA partial kernel's translation unit for query and window elements of `dtype`: the text of
-    kernels/decode_attention.cu, or `kernel_text`, an edited copy of it (benchmarks/attention_timeline.py)."""
+def cuda_partial_source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32,
+                        kernel_text: str | None = None) -> str:
+    """The CUDA partial kernel's translation unit for query and window elements of `dtype` and scales of
+    `scale_dtype`: the text of kernels/decode_attention.cu, or `kernel_text`, an edited copy of it
+    (benchmarks/attention_timeline.py)."""
     if kernel_text is None:
         kernel_text = (KERNEL_DIR / "decode_attention.cu").read_text()
-    return f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n" + kernel_text
+    half_scales = int(scale_dtype == torch.float16)
+    return f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n#define KVQ_SCALE_HALF {half_scales}\n" + kernel_text
 
 
 def build_cuda_partial(source: str, device: torch.device) -> CudaLaunch:
@@ -412,8 +418,8 @@ def build_cuda_partial(source: str, device: torch.device) -> CudaLaunch:
 
 
 @lru_cache(maxsize=8)
-def _cuda_partial_kernel(dtype: torch.dtype, device: torch.device) -> CudaLaunch:
-    return build_cuda_partial(cuda_partial_source(dtype), device)
+def _cuda_partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, device: torch.device) -> CudaLaunch:
+    return build_cuda_partial(cuda_partial_source(dtype, scale_dtype), device)
 
 
 @lru_cache(maxsize=8)
@@ -566,7 +572,7 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
     tokens = n_packed if lengths is None else capacity
     cuda_partial = _cuda_partial_fits(query, keys, values, window_keys, window_values, tokens)
     if cuda_partial:
-        cuda_kernel = _cuda_partial_kernel(query.dtype, query.device)
+        cuda_kernel = _cuda_partial_kernel(query.dtype, keys.scales.dtype, query.device)
         resident = cuda_kernel.resident_blocks
     else:
         build = _compiled_kernel(_partial_kernel, partial_args(*[torch.float32] * 4, 0, 0), constants)
@@ -679,6 +685,7 @@ class DecodeGraph:
         self.graph = graph
 
 
-def packed_read_bytes(batch: int, kv_heads: int, tokens: int, d: int, bits: int, group: int) -> int:
-    """Bytes a decode step reads from the packed cache: codes and fp32 scales of K and V."""
-    return 2 * batch * kv_heads * tokens * (d * bits // 8 + 4 * d // group)
+def packed_read_bytes(batch: int, kv_heads: int, tokens: int, d: int, bits: int, group: int,
+                      scale_bytes: int = 4) -> int:
+    """Bytes a decode step reads from the packed cache: codes and scales (`scale_bytes` each) of K and V."""
+    return 2 * batch * kv_heads * tokens * (d * bits // 8 + scale_bytes * d // group)

@@ -1,6 +1,6 @@
 """Which quantizers the fused kernels implement, and the constants a kernel build needs.
 
-A kernel covers RotatedQuantizer(identity | SRHT | SRFT, symmetric int4/int8 with fp32 scales per
+A kernel covers RotatedQuantizer(identity | SRHT | SRFT, symmetric int4/int8 with fp32 or fp16 scales per
 token or per power-of-two group, optional lambda) at power-of-two head_dim: the SRFT paper's fused
 kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Anything else keeps the torch reference.
 """
@@ -17,6 +17,7 @@ from kvq.rotations import SRFT, SRHT, Identity
 
 ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
 KERNEL_BITS = (4, 8)
+KERNEL_SCALE_DTYPES = (torch.float32, torch.float16)
 THREADS_PER_GROUP = 128  # Metal threadgroups; one vector per thread
 # CUDA blocks: one warp, twelve to an SM (kernels/entry_cuda.cu). With each warp prefetching the rows of
 # the warp ~0.6 of a wave on, one-warp blocks ran 70.8-71.3% of peak bandwidth against 69.8-70.9% for
@@ -39,6 +40,7 @@ class KernelPlan:
     rotation: int
     signs: torch.Tensor
     lam: torch.Tensor | None
+    scale_dtype: torch.dtype = torch.float32
 
     @property
     def code_bytes(self) -> int:
@@ -51,7 +53,7 @@ class KernelPlan:
     def on(self, device: torch.device) -> "KernelPlan":
         """The same plan with its constants (signs, float32 lambda) on `device`."""
         lam = self.lam.to(device=device, dtype=torch.float32) if self.lam is not None else None
-        return KernelPlan(self.d, self.bits, self.group, self.rotation, self.signs.to(device), lam)
+        return KernelPlan(self.d, self.bits, self.group, self.rotation, self.signs.to(device), lam, self.scale_dtype)
 
     @cached_property
     def sign_words(self) -> dict[int, torch.Tensor]:
@@ -76,7 +78,8 @@ class KernelPlan:
 
     def defines(self) -> dict[str, int | str]:
         return {"KVQ_D": self.d, "KVQ_GROUP": self.group, "KVQ_BITS": self.bits, "KVQ_ROT": self.rotation,
-                "KVQ_BLOCK": CUDA_BLOCK, "KVQ_TWIDDLES": twiddle_literals(self.d)}
+                "KVQ_BLOCK": CUDA_BLOCK, "KVQ_TWIDDLES": twiddle_literals(self.d),
+                "KVQ_SCALE_HALF": int(self.scale_dtype == torch.float16)}
 
 
 def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
@@ -92,12 +95,12 @@ def _power_of_two(n: int) -> bool:
 
 def packing_reason(quantizer) -> str | None:
     """None when the quantizer packs as the kernels and the fused cache store codes: a rotated symmetric
-    int4/int8 scalar quantizer with float32 per-token or per-group scales; else why not."""
+    int4/int8 scalar quantizer with float32 or float16 per-token or per-group scales; else why not."""
     inner = getattr(quantizer, "inner", None)
     if not isinstance(quantizer, RotatedQuantizer) or not isinstance(inner, ScalarQuantizer):
         return f"{type(quantizer).__name__} is not a rotated scalar quantizer"
-    if inner.bits not in KERNEL_BITS or not inner.symmetric or inner.scale_dtype != torch.float32:
-        return "packed kernels and the fused cache need symmetric int4/int8 codes with float32 scales"
+    if inner.bits not in KERNEL_BITS or not inner.symmetric or inner.scale_dtype not in KERNEL_SCALE_DTYPES:
+        return "packed kernels and the fused cache need symmetric int4/int8 codes with float32 or float16 scales"
     if inner.granularity not in ("per_token", "per_group"):
         return f"granularity {inner.granularity} has no kernel (per_channel scales span tokens)"
     return None
@@ -131,4 +134,5 @@ def plan_for(quantizer) -> KernelPlan | None:
     inner, rotation = quantizer.inner, quantizer.rotation
     group = rotation.d if inner.granularity == "per_token" else inner.group_size
     signs = getattr(rotation, "signs", torch.ones(rotation.d))
-    return KernelPlan(rotation.d, inner.bits, group, ROTATION_CODES[type(rotation)], signs.float(), quantizer.lam)
+    return KernelPlan(rotation.d, inner.bits, group, ROTATION_CODES[type(rotation)], signs.float(), quantizer.lam,
+                      inner.scale_dtype)
