@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq.kernels.backends import CudaLaunch
-from kvq.kernels.plan import packed_codes
+from kvq.kernels.plan import KERNEL_SCALE_DTYPES, packed_codes
 from kvq.kernels.source import DTYPE_DEFINES, KERNEL_DIR
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarQuantizer
@@ -387,7 +387,6 @@ if triton is not None:
 # step at 16K tokens against Triton's 19.1-19.2 (RESULTS.md item 27) and 24.2-24.7 against 27.0-27.1 at 32K,
 # but 14.9-15.0 against 13.8 at 8K (item 26).
 CUDA_PARTIAL_MIN_TOKENS = 16384
-CUDA_PARTIAL_SCALE_DTYPES = (torch.float32, torch.float16)
 
 
 def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values, tokens: int) -> bool:
@@ -396,7 +395,7 @@ def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, win
     return (LAUNCH.partial == "cuda" and tokens >= CUDA_PARTIAL_MIN_TOKENS and keys.bits == values.bits == 4
             and keys.head_dim == 128
             and keys.scales.shape[-1] == values.scales.shape[-1] == 4
-            and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in CUDA_PARTIAL_SCALE_DTYPES
+            and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= 4 and query.dtype in DTYPE_DEFINES
             and window_keys.dtype == window_values.dtype == query.dtype)
 
