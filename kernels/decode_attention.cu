@@ -87,20 +87,23 @@ __device__ __forceinline__ uint kvq_half2(float low, float high) {
     return out;
 }
 
-__device__ __forceinline__ float kvq_half2_sum(uint pair) {
+// The two fp16 halves of a word as floats, the low one in x.
+__device__ __forceinline__ float2 kvq_half2_floats(uint pair) {
     float low, high;
     asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
         : "=f"(low), "=f"(high) : "r"(pair));
-    return low + high;
+    return make_float2(low, high);
+}
+
+__device__ __forceinline__ float kvq_half2_sum(uint pair) {
+    float2 halves = kvq_half2_floats(pair);
+    return halves.x + halves.y;
 }
 
 // Scale groups 2 (r / 4) and 2 (r / 4) + 1 of a token's row of scales in a stage.
 __device__ __forceinline__ float2 kvq_scale_pair(const uchar* row, uint r) {
 #if KVQ_SCALE_HALF
-    float low, high;
-    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-        : "=f"(low), "=f"(high) : "r"(*(const uint*)(row + 4 * (r / 4))));
-    return make_float2(low, high);
+    return kvq_half2_floats(*(const uint*)(row + 4 * (r / 4)));
 #else
     return *(const float2*)(row + 8 * (r / 4));
 #endif

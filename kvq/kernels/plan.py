@@ -6,7 +6,7 @@ kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Anything else keeps the
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -53,7 +53,7 @@ class KernelPlan:
     def on(self, device: torch.device) -> "KernelPlan":
         """The same plan with its constants (signs, float32 lambda) on `device`."""
         lam = self.lam.to(device=device, dtype=torch.float32) if self.lam is not None else None
-        return KernelPlan(self.d, self.bits, self.group, self.rotation, self.signs.to(device), lam, self.scale_dtype)
+        return replace(self, signs=self.signs.to(device), lam=lam)
 
     @cached_property
     def sign_words(self) -> dict[int, torch.Tensor]:
