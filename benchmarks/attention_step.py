@@ -1,0 +1,48 @@
+"""The fused decode attention step of whichever kvq the import path holds: us per step, CUDA-graph replays
+cycling through 4 layers' caches (`kvq bench kernels`' timing and shapes: 32 query / 8 KV heads, d=128, int4
+g32), the best of --repeats, optionally beside fp16 SDPA. Another tree's library on PYTHONPATH times it in
+the same device call, for a same-run comparison:
+
+    git worktree add /tmp/before 5b1fcbe
+    PYTHONPATH=/tmp/before python benchmarks/attention_step.py --label before
+    PYTHONPATH=. python benchmarks/attention_step.py --label after --sdpa
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from kvq.bench import attention_step, time_per_layer
+from kvq.kernels import decode_attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--label", default="step")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    parser.add_argument("--scales", nargs="+", default=["float32", "float16"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--min-tokens", type=int, help="serve the CUDA partial kernel from this many tokens on")
+    parser.add_argument("--sdpa", action="store_true", help="also time fp16 SDPA on fp16 caches")
+    args = parser.parse_args()
+    if args.min_tokens is not None:
+        decode_attention.CUDA_PARTIAL_MIN_TOKENS = args.min_tokens
+    for scales in args.scales:
+        for tokens in args.contexts:
+            _, caches, q16, step = attention_step("cuda", tokens, 32, 8, 128, 32, scale_dtype=scales)
+            fused = min(time_per_layer(step, caches, "cuda") for _ in range(args.repeats)) * 1e6
+            line = f"{args.label} {scales} scales, {tokens} tokens: fused {fused:.2f} us"
+            if args.sdpa:
+                fp16 = [tuple(torch.randn(1, 8, tokens, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+                        for _ in caches]
+                def sdpa_step(k, v, q=q16):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+                sdpa = time_per_layer(sdpa_step, fp16, "cuda") * 1e6
+                line += f", fp16 SDPA {sdpa:.2f} us, {sdpa / fused:.2f}x"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
