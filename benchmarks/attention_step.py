@@ -1,7 +1,7 @@
 """The fused decode attention step of whichever kvq the import path holds: us per step, CUDA-graph replays
 cycling through 4 layers' caches (`kvq bench kernels`' timing and shapes: 32 query / 8 KV heads, d=128, int4
-g32), the best of --repeats, optionally beside fp16 SDPA. Another tree's library on PYTHONPATH times it in
-the same device call, for a same-run comparison:
+g32), the best of --repeats, optionally beside fp16 SDPA (one median per context). Another tree's library on
+PYTHONPATH times it in the same device call, for a same-run comparison:
 
     git worktree add /tmp/before 5b1fcbe
     PYTHONPATH=/tmp/before python benchmarks/attention_step.py --label before
@@ -17,6 +17,14 @@ from kvq.bench import attention_step, time_per_layer
 from kvq.kernels import decode_attention
 
 
+def fp16_sdpa_us(q16: torch.Tensor, tokens: int, layers: int) -> float:
+    """fp16 SDPA over `layers` distinct fp16 caches of `tokens` tokens, us per layer."""
+    caches = [tuple(torch.randn(1, 8, tokens, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+              for _ in range(layers)]
+    return time_per_layer(lambda k, v: F.scaled_dot_product_attention(q16, k, v, enable_gqa=True), caches,
+                          "cuda") * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="step")
@@ -28,18 +36,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.min_tokens is not None:
         decode_attention.CUDA_PARTIAL_MIN_TOKENS = args.min_tokens
-    for scales in args.scales:
-        for tokens in args.contexts:
+    for tokens in args.contexts:
+        sdpa = None  # SDPA reads fp16 caches: the packed scales' dtype does not change it
+        for scales in args.scales:
             _, caches, q16, step = attention_step("cuda", tokens, 32, 8, 128, 32, scale_dtype=scales)
             fused = min(time_per_layer(step, caches, "cuda") for _ in range(args.repeats)) * 1e6
             line = f"{args.label} {scales} scales, {tokens} tokens: fused {fused:.2f} us"
             if args.sdpa:
-                fp16 = [tuple(torch.randn(1, 8, tokens, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-                        for _ in caches]
-                def sdpa_step(k, v, q=q16):
-                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-                sdpa = time_per_layer(sdpa_step, fp16, "cuda") * 1e6
+                sdpa = sdpa if sdpa is not None else fp16_sdpa_us(q16, tokens, len(caches))
                 line += f", fp16 SDPA {sdpa:.2f} us, {sdpa / fused:.2f}x"
             print(line, flush=True)
 
