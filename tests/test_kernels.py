@@ -73,6 +73,16 @@ def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_head
     assert decode_attention._cuda_partial_fits(query, keys, values, window, window, tokens) == fits
 
 
+@pytest.mark.parametrize("heads", [1, 5, 7, 8, 24, 40, 600])
+@pytest.mark.parametrize("tokens", [1, 63, 4096, 32768, 131075])
+def test_split_plan_stays_within_the_programs_the_sms_hold(heads, tokens):
+    """The H100's 132 SMs x 4 programs: no packed split may wait for another to end (7 or 40 (batch, KV head)
+    pairs once asked for 532 and 560 programs), and every token lies in one split."""
+    splits, per_split = decode_attention.split_counts(tokens, heads, 528, 64)
+    assert per_split % 64 == 0 and (splits - 1) * per_split < tokens <= splits * per_split
+    assert splits * heads <= max(528, heads)
+
+
 @pytest.mark.parametrize("registers, shared, warps, expected", [
     (255, 22528, 2, 4),  # 8192 registers per warp (256-register granules): 4 x 2 warps fill 65536
     (167, 43008, 2, 5),  # registers would allow 6; shared memory, 43008 + 1024 reserved each, allows 5
