@@ -63,6 +63,7 @@ typedef float kvq_scale;
 #if defined(KVQ_ELEM_FLOAT32)
 typedef float kvq_elem;
 __device__ __forceinline__ float kvq_to_float(float x) { return x; }
+__device__ __forceinline__ float kvq_from_float(float x) { return x; }
 #elif defined(KVQ_ELEM_FLOAT16)
 typedef ushort kvq_elem;
 __device__ __forceinline__ float kvq_to_float(ushort x) {
@@ -70,9 +71,19 @@ __device__ __forceinline__ float kvq_to_float(ushort x) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(x));
     return out;
 }
+__device__ __forceinline__ ushort kvq_from_float(float x) {
+    ushort out;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out) : "f"(x));
+    return out;
+}
 #else
 typedef ushort kvq_elem;
 __device__ __forceinline__ float kvq_to_float(ushort x) { return __uint_as_float((uint)x << 16); }
+__device__ __forceinline__ ushort kvq_from_float(float x) {
+    ushort out;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(x));
+    return out;
+}
 #endif
 
 __device__ __forceinline__ uint kvq_prmt(uint a, uint b, uint selector) {
@@ -499,4 +510,107 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
         kvq_window_split(query, window_keys, window_values, partial, maxima, sums, n_window, bh, gqa,
                          window_capacity, gridDim.y, split, scale);
     }
+}
+
+// The reduce pass (FlashDecoding Eq. 5) after kvq_decode_partial: o = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c,
+// with the packed splits' sum mapped by output_map (D, D) before the window split (the last) is added. One block
+// per (batch, query head), of KVQ_REDUCE_SLICES x KVQ_D threads: thread (g, t) takes output column t of the
+// packed splits g, g + KVQ_REDUCE_SLICES, ... with all their loads in flight at once, so that the partials
+// arrive in one round trip after the wait; then the slices combine through shared memory, and thread (g, t)
+// maps rows 16 g .. 16 g + 15 of the sum into column t, with its rows of output_map read before the wait.
+// The Triton reduce, one program per 32 columns, reads every split's whole row per program and combines through
+// layout changes: ~3.6 us per dependent launch on the H100 against ~1.8 for the map kernel (RESULTS.md item 27).
+#define KVQ_REDUCE_SLICES 8
+#define KVQ_MAP_ROWS (KVQ_D / KVQ_REDUCE_SLICES)
+#define KVQ_REDUCE_UNROLL 10  // splits per slice whose loads go out together: one round trip for the H100's
+                              // 66 packed splits at 8 KV heads (more spill at 1024 threads' 64 registers)
+
+// e^{m - top} for a maximum m in natural units against top >= m, 0 for an empty split (m = -inf).
+__device__ __forceinline__ float kvq_weight(float m, float top) {
+    return m == KVQ_NEG_INF ? 0.0f : kvq_exp2((m - top) * KVQ_LOG2E);
+}
+
+extern "C" __global__ void __launch_bounds__(KVQ_REDUCE_SLICES * KVQ_D) kvq_decode_reduce(
+    const float* partial, const float* maxima, const float* sums, const float* output_map, kvq_elem* out,
+    uint n_splits) {
+    __shared__ float slice_out[KVQ_REDUCE_SLICES][KVQ_D];
+    __shared__ float slice_max[KVQ_REDUCE_SLICES], slice_sum[KVQ_REDUCE_SLICES];
+    __shared__ float packed_sum[KVQ_D];
+    uint t = threadIdx.x % KVQ_D, g = threadIdx.x / KVQ_D;
+    float map_rows[KVQ_MAP_ROWS];
+#pragma unroll
+    for (uint k = 0; k < KVQ_MAP_ROWS; ++k) map_rows[k] = output_map[(KVQ_MAP_ROWS * g + k) * KVQ_D + t];
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+
+    unsigned long long head = blockIdx.x;
+    const float* m_c = maxima + head * n_splits;
+    const float* l_c = sums + head * n_splits;
+    const float* o_c = partial + head * n_splits * KVQ_D + t;
+    uint packed_splits = n_splits - 1, window = n_splits - 1;
+    float window_out = 0.0f, window_max = KVQ_NEG_INF, window_sum = 0.0f;
+    if (g == 0) {
+        window_out = o_c[window * KVQ_D];
+        window_max = m_c[window];
+        window_sum = l_c[window];
+    }
+    // this slice's splits as one running softmax (the same in every thread of the slice but for the column)
+    float top = KVQ_NEG_INF, total = 0.0f, sum = 0.0f;
+    for (uint first = g; first < packed_splits; first += KVQ_REDUCE_SLICES * KVQ_REDUCE_UNROLL) {
+        float m[KVQ_REDUCE_UNROLL], l[KVQ_REDUCE_UNROLL], o[KVQ_REDUCE_UNROLL];
+#pragma unroll
+        for (uint i = 0; i < KVQ_REDUCE_UNROLL; ++i) {
+            uint split = first + KVQ_REDUCE_SLICES * i;
+            bool live = split < packed_splits;
+            m[i] = live ? m_c[split] : KVQ_NEG_INF;
+            l[i] = live ? l_c[split] : 0.0f;
+            o[i] = live ? o_c[(unsigned long long)split * KVQ_D] : 0.0f;
+        }
+        float chunk_top = top;
+#pragma unroll
+        for (uint i = 0; i < KVQ_REDUCE_UNROLL; ++i) chunk_top = fmaxf(chunk_top, m[i]);
+        float rescale = kvq_weight(top, chunk_top);
+        total *= rescale;
+        sum *= rescale;
+#pragma unroll
+        for (uint i = 0; i < KVQ_REDUCE_UNROLL; ++i) {
+            float w = kvq_weight(m[i], chunk_top);
+            total += w * l[i];
+            sum += w * o[i];
+        }
+        top = chunk_top;
+    }
+    slice_out[g][t] = sum;
+    if (t == 0) {
+        slice_max[g] = top;
+        slice_sum[g] = total;
+    }
+    __syncthreads();
+    float packed_top = KVQ_NEG_INF;
+#pragma unroll
+    for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) packed_top = fmaxf(packed_top, slice_max[s]);
+    if (g == 0) {
+        float column = 0.0f;
+#pragma unroll
+        for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) column += kvq_weight(slice_max[s], packed_top) * slice_out[s][t];
+        packed_sum[t] = column;
+    }
+    __syncthreads();
+    float mapped = 0.0f;
+#pragma unroll
+    for (uint k = 0; k < KVQ_MAP_ROWS; ++k) mapped += packed_sum[KVQ_MAP_ROWS * g + k] * map_rows[k];
+    slice_out[g][t] = mapped;
+    __syncthreads();
+    if (g != 0) return;
+    float packed_total = 0.0f;
+    mapped = 0.0f;
+#pragma unroll
+    for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) {
+        packed_total += kvq_weight(slice_max[s], packed_top) * slice_sum[s];
+        mapped += slice_out[s][t];
+    }
+    float top_all = fmaxf(packed_top, window_max);
+    float packed_weight = kvq_weight(packed_top, top_all), window_weight = kvq_weight(window_max, top_all);
+    out[head * KVQ_D + t] = kvq_from_float((mapped * packed_weight + window_out * window_weight) /
+                                           (packed_total * packed_weight + window_sum * window_weight));
 }

@@ -23,7 +23,9 @@ The partials come from kernels/decode_attention.cu (CUDA, through NVRTC) where t
 128, int4 K and V in scale groups of 32, at most 4 query heads per KV head: Llama-3-8B's, `kvq bench
 kernels`' shapes) and the sequence is long enough for it to be the faster (CUDA_PARTIAL_MIN_TOKENS); from
 the Triton _partial_kernel otherwise. Its fragment layouts turn codes into tensor-core operands in
-registers, which Triton's layouts do not allow (see its header).
+registers, which Triton's layouts do not allow (see its header). At head_dim 128 the reduce pass is that
+file's kvq_decode_reduce, after either partial kernel: all of a query head's partials in one round trip
+(0.2-1.0 us faster per step than the Triton _reduce_kernel on the H100, RESULTS.md item 36).
 
 `decode_attention` dispatches to these kernels on CUDA and to `decode_attention_reference` (dequantize to
 the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
@@ -387,13 +389,14 @@ if triton is not None:
 # step at 16K tokens against Triton's 19.1-19.2 (RESULTS.md item 27) and 24.2-24.7 against 27.0-27.1 at 32K,
 # but 14.9-15.0 against 13.8 at 8K (item 26).
 CUDA_PARTIAL_MIN_TOKENS = 16384
+CUDA_HEAD_DIM = 128  # kernels/decode_attention.cu's KVQ_D
 
 
 def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values, tokens: int) -> bool:
     """The shapes kernels/decode_attention.cu is written for (its header), the window in the query's dtype,
     and a sequence long enough for it to be the faster."""
     return (LAUNCH.partial == "cuda" and tokens >= CUDA_PARTIAL_MIN_TOKENS and keys.bits == values.bits == 4
-            and keys.head_dim == 128
+            and keys.head_dim == CUDA_HEAD_DIM
             and keys.scales.shape[-1] == values.scales.shape[-1] == 4
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= 4 and query.dtype in DTYPE_DEFINES
@@ -402,8 +405,8 @@ def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, win
 
 def cuda_partial_source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32,
                         kernel_text: str | None = None) -> str:
-    """The CUDA partial kernel's translation unit for query and window elements of `dtype` and scales of
-    `scale_dtype`: the text of kernels/decode_attention.cu, or `kernel_text`, an edited copy of it
+    """The translation unit of the CUDA partial and reduce kernels for query, window and output elements of
+    `dtype` and scales of `scale_dtype`: the text of kernels/decode_attention.cu, or `kernel_text`, an edited copy of it
     (benchmarks/attention_timeline.py)."""
     if kernel_text is None:
         kernel_text = (KERNEL_DIR / "decode_attention.cu").read_text()
@@ -419,6 +422,12 @@ def build_cuda_partial(source: str, device: torch.device) -> CudaLaunch:
 @lru_cache(maxsize=8)
 def _cuda_partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, device: torch.device) -> CudaLaunch:
     return build_cuda_partial(cuda_partial_source(dtype, scale_dtype), device)
+
+
+@lru_cache(maxsize=8)
+def _cuda_reduce_kernel(dtype: torch.dtype, device: torch.device) -> CudaLaunch:
+    """kernels/decode_attention.cu's reduce pass for outputs of `dtype` (the scales' dtype is not read)."""
+    return CudaLaunch.compile(cuda_partial_source(dtype), "kvq_decode_reduce", device)
 
 
 @lru_cache(maxsize=8)
@@ -602,7 +611,10 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
                 partial_args(mapped_query, partial, maxima, sums, per_split, packed_splits), build, **constants)
     if out is None:
         out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
-    if "reduce" in LAUNCH.kernels:
+    if "reduce" in LAUNCH.kernels and d == CUDA_HEAD_DIM and query.dtype in DTYPE_DEFINES:
+        _cuda_reduce_kernel(query.dtype, query.device)(
+            batch * q_heads, [partial, maxima, sums, output_map, out, n_splits], programmatic=pdl)
+    elif "reduce" in LAUNCH.kernels:
         _launch(_reduce_kernel, (batch * q_heads, d // columns), (partial, maxima, sums, output_map, out, n_splits),
                 D=d, SPLITS=triton.next_power_of_2(n_splits), COLS=columns, PDL=pdl, launch_pdl=pdl)
     return out
