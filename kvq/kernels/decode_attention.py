@@ -25,7 +25,8 @@ kernels`' shapes) and the sequence is long enough for it to be the faster (CUDA_
 the Triton _partial_kernel otherwise. Its fragment layouts turn codes into tensor-core operands in
 registers, which Triton's layouts do not allow (see its header). At head_dim 128 the reduce pass is that
 file's kvq_decode_reduce, after either partial kernel: all of a query head's partials in one round trip
-(0.2-1.0 us faster per step than the Triton _reduce_kernel on the H100, RESULTS.md item 36).
+(on the H100, 0.1-1.0 us per step faster than the Triton _reduce_kernel from 2K to 128K tokens, 0.5 us slower
+at 1K with fp16 scales; RESULTS.md items 36-37).
 
 `decode_attention` dispatches to these kernels on CUDA and to `decode_attention_reference` (dequantize to
 the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
