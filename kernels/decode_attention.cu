@@ -185,10 +185,25 @@ __device__ __forceinline__ void kvq_copy_scales(uint shared, const void* global,
 __device__ __forceinline__ uint kvq_v_row(uint token) { return token ^ ((token >> 1) & 1u); }
 __device__ __forceinline__ uint kvq_v_chunk(uint token, uint chunk) { return chunk ^ ((token >> 2) & 1u); }
 
+// Programmatic dependent launch (Hopper on; kvq.kernels.decode_attention launches these kernels plainly
+// before sm_90, where the stream's order alone serializes them and griddepcontrol does not assemble).
+// kvq_launch_dependents: the stream's next kernel may launch now. kvq_await_previous_kernel: waits until the
+// previous kernel has finished and its writes are visible.
+__device__ __forceinline__ void kvq_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void kvq_await_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Launched programmatically dependent on the map kernel (a no-op otherwise): waits until it has finished
 // and its writes are visible. Every write of this kernel's outputs comes after it, as the map kernel
 // itself started only once the previous reduce, which reads them, had finished.
-__device__ __forceinline__ void kvq_await_map_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void kvq_await_map_kernel() { kvq_await_previous_kernel(); }
 
 // One lane's share of a tile's copies (four 16-byte chunks of codes and one token's scales): where they go
 // in a stage, and where they come from for the warp's first tile; a warp's next tile lies KVQ_WARPS tiles on.
@@ -495,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
     __shared__ __align__(16) uchar stages[KVQ_WARPS * KVQ_STAGES * KVQ_STAGE_BYTES];
     // Programmatic dependent launch: the next kernel may launch now. This one reads the mapped query only
     // after kvq_await_map_kernel, but the cache before it: what wrote the cache ran before the map kernel.
-    asm volatile("griddepcontrol.launch_dependents;");
+    kvq_launch_dependents();
     if (device_lengths) {  // never past the buffers, whatever the device holds
         long long counts = *lengths;
         n_packed = min((uint)(counts >> 32), capacity);
@@ -540,8 +555,8 @@ extern "C" __global__ void __launch_bounds__(KVQ_REDUCE_SLICES * KVQ_D) kvq_deco
     float map_rows[KVQ_MAP_ROWS];
 #pragma unroll
     for (uint k = 0; k < KVQ_MAP_ROWS; ++k) map_rows[k] = output_map[(KVQ_MAP_ROWS * g + k) * KVQ_D + t];
-    asm volatile("griddepcontrol.launch_dependents;");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    kvq_launch_dependents();
+    kvq_await_previous_kernel();
 
     unsigned long long head = blockIdx.x;
     const float* m_c = maxima + head * n_splits;

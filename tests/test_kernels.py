@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,11 +67,24 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
     (128, 32, 32, 65536, torch.float16, (torch.bfloat16, torch.bfloat16), False),
 ])
 def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, tokens, window_dtype, scales,
-                                                                fits):
+                                                                fits, monkeypatch):
+    monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=9))  # an H100
     keys, values = (random_packed(1, 8, 4, d, 4, group, "cpu", scale_dtype=dtype) for dtype in scales)
     query = torch.zeros(1, q_heads, d, dtype=torch.float16)
     window = torch.zeros(1, 8, 2, d, dtype=window_dtype)
     assert decode_attention._cuda_partial_fits(query, keys, values, window, window, tokens) == fits
+
+
+@pytest.mark.parametrize("major, builds", [(7, False), (8, True), (9, True)])
+def test_cuda_kernels_serve_from_sm_80_on(major, builds, monkeypatch):
+    """kernels/decode_attention.cu's mma.sync m16n8k16 and cp.async need sm_80: Triton serves older GPUs."""
+    monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=major))
+    keys, values = (random_packed(1, 8, 4, 128, 4, 32, "cpu") for _ in range(2))
+    query = torch.zeros(1, 32, 128, dtype=torch.float16)
+    window = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
+    assert decode_attention._cuda_partial_fits(query, keys, values, window, window, 32768) == builds
+    assert decode_attention._cuda_reduce_fits(query) == builds
+    assert not decode_attention._cuda_reduce_fits(torch.zeros(1, 32, 64, dtype=torch.float16))  # KVQ_D is 128
 
 
 @pytest.mark.parametrize("heads", [1, 5, 7, 8, 24, 40, 600])

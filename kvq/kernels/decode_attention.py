@@ -393,10 +393,22 @@ CUDA_PARTIAL_MIN_TOKENS = 16384
 CUDA_HEAD_DIM = 128  # kernels/decode_attention.cu's KVQ_D
 
 
+def _cuda_kernels_build(device: torch.device) -> bool:
+    """kernels/decode_attention.cu needs sm_80 (mma.sync m16n8k16, cp.async); Triton serves older GPUs."""
+    return _properties(device).major >= 8
+
+
+def _cuda_reduce_fits(query) -> bool:
+    """kernels/decode_attention.cu's reduce pass serves (B, Hq, d) queries of head_dim 128, after either
+    partial kernel (they write the same partials)."""
+    return query.shape[-1] == CUDA_HEAD_DIM and query.dtype in DTYPE_DEFINES and _cuda_kernels_build(query.device)
+
+
 def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values, tokens: int) -> bool:
     """The shapes kernels/decode_attention.cu is written for (its header), the window in the query's dtype,
     and a sequence long enough for it to be the faster."""
-    return (LAUNCH.partial == "cuda" and tokens >= CUDA_PARTIAL_MIN_TOKENS and keys.bits == values.bits == 4
+    return (LAUNCH.partial == "cuda" and _cuda_kernels_build(query.device) and tokens >= CUDA_PARTIAL_MIN_TOKENS
+            and keys.bits == values.bits == 4
             and keys.head_dim == CUDA_HEAD_DIM
             and keys.scales.shape[-1] == values.scales.shape[-1] == 4
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
@@ -612,7 +624,7 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
                 partial_args(mapped_query, partial, maxima, sums, per_split, packed_splits), build, **constants)
     if out is None:
         out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
-    if "reduce" in LAUNCH.kernels and d == CUDA_HEAD_DIM and query.dtype in DTYPE_DEFINES:
+    if "reduce" in LAUNCH.kernels and _cuda_reduce_fits(query):
         _cuda_reduce_kernel(query.dtype, query.device)(
             batch * q_heads, [partial, maxima, sums, output_map, out, n_splits], programmatic=pdl)
     elif "reduce" in LAUNCH.kernels:
