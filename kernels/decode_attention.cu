@@ -534,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
 // arrive in one round trip after the wait; then the slices combine through shared memory, and thread (g, t)
 // maps rows 16 g .. 16 g + 15 of the sum into column t, with its rows of output_map read before the wait.
 // The Triton reduce, one program per 32 columns, reads every split's whole row per program and combines through
-// layout changes: ~3.6 us per dependent launch on the H100 against ~1.8 for the map kernel (RESULTS.md item 27).
+// layout changes: ~3.6 us per dependent launch on the H100 against ~1.8 for the map kernel (RESULTS.md item 26).
 #define KVQ_REDUCE_SLICES 8
 #define KVQ_MAP_ROWS (KVQ_D / KVQ_REDUCE_SLICES)
 #define KVQ_REDUCE_UNROLL 10  // splits per slice whose loads go out together: one round trip for the H100's
@@ -601,13 +601,17 @@ extern "C" __global__ void __launch_bounds__(KVQ_REDUCE_SLICES * KVQ_D) kvq_deco
         slice_sum[g] = total;
     }
     __syncthreads();
-    float packed_top = KVQ_NEG_INF;
-#pragma unroll
-    for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) packed_top = fmaxf(packed_top, slice_max[s]);
+    float packed_top = KVQ_NEG_INF, packed_total = 0.0f;  // slice 0's
     if (g == 0) {
+#pragma unroll
+        for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) packed_top = fmaxf(packed_top, slice_max[s]);
         float column = 0.0f;
 #pragma unroll
-        for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) column += kvq_weight(slice_max[s], packed_top) * slice_out[s][t];
+        for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) {
+            float w = kvq_weight(slice_max[s], packed_top);
+            column += w * slice_out[s][t];
+            packed_total += w * slice_sum[s];
+        }
         packed_sum[t] = column;
     }
     __syncthreads();
@@ -617,13 +621,9 @@ extern "C" __global__ void __launch_bounds__(KVQ_REDUCE_SLICES * KVQ_D) kvq_deco
     slice_out[g][t] = mapped;
     __syncthreads();
     if (g != 0) return;
-    float packed_total = 0.0f;
     mapped = 0.0f;
 #pragma unroll
-    for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) {
-        packed_total += kvq_weight(slice_max[s], packed_top) * slice_sum[s];
-        mapped += slice_out[s][t];
-    }
+    for (uint s = 0; s < KVQ_REDUCE_SLICES; ++s) mapped += slice_out[s][t];
     float top_all = fmaxf(packed_top, window_max);
     float packed_weight = kvq_weight(packed_top, top_all), window_weight = kvq_weight(window_max, top_all);
     out[head * KVQ_D + t] = kvq_from_float((mapped * packed_weight + window_out * window_weight) /
