@@ -11,8 +11,7 @@ g32 caches, CUDA-graph replays cycling through 4 layers' caches. The CUDA kernel
 import argparse
 import dataclasses
 
-import torch
-import torch.nn.functional as F
+from attention_step import fp16_sdpa_us
 
 from kvq.bench import attention_step, time_per_layer
 from kvq.kernels import decode_attention
@@ -28,11 +27,7 @@ def main() -> None:
     try:
         for tokens in args.context:
             _, caches, q16, step = attention_step("cuda", tokens, 32, 8, 128, 32)
-            fp16 = [tuple(torch.randn(1, 8, tokens, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-                    for _ in caches]
-            sdpa = time_per_layer(lambda k, v, q=q16: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), fp16,
-                                  "cuda") * 1e6
-            del fp16
+            sdpa = fp16_sdpa_us(q16, tokens, len(caches), 8)
             times: dict[str, list[float]] = {}
             for _ in range(args.repeats):
                 for partial in ("cuda", "triton"):
