@@ -1,7 +1,8 @@
 """What bounds the CUDA partial kernel (kernels/decode_attention.cu) at a context length: its loads, its
 arithmetic, or the bytes of its scales. Edited copies of the kernel run in place of the library's inside
 `kvq bench kernels`' replayed decode step (4 layers' caches back to back), each timed as the full step
-(map, partials, reduce) and as the partial kernel alone (LaunchConfig.kernels):
+(partials and reduce: the CUDA partial kernel maps the query itself) and as the partial kernel alone
+(LaunchConfig.kernels):
 
     python benchmarks/attention_bounds.py --context 32768 131072
 

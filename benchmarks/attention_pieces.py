@@ -1,5 +1,6 @@
-"""Where a fused decode attention step's time goes: the step's three kernels (query map, split-K partials,
-reduce) timed together, alone and in pairs, by leaving the others out (LaunchConfig.kernels).
+"""Where a fused decode attention step's time goes: the step's kernels (query map, split-K partials, reduce;
+the CUDA partial kernel maps the query itself, and no map kernel runs with it) timed together, alone and in
+pairs, by leaving the others out (LaunchConfig.kernels).
 
     python benchmarks/attention_pieces.py --context 1024 8192 32768
 

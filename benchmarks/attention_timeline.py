@@ -1,5 +1,6 @@
-"""When each program of the CUDA partial kernel (kernels/decode_attention.cu) starts, is released by the map
-kernel, ends its tile loop and writes its partial, inside `kvq bench kernels`' replayed decode steps.
+"""When each program of the CUDA partial kernel (kernels/decode_attention.cu) starts, is released by the
+kernel before it (the previous layer's reduce), ends its tile loop and writes its partial, inside `kvq bench
+kernels`' replayed decode steps.
 
     python benchmarks/attention_timeline.py --context 32768 131072
 
@@ -7,7 +8,7 @@ A copy of the kernel is built with %globaltimer reads (32 ns steps on the H100) 
 graph-replayed step of `kvq bench kernels` (4 layers' caches back to back) then runs it in place of the
 library's. Per layer: programs, and minimum / median / maximum (loop ends and ends also the 90th
 percentile) in us from the first program's start, over the packed programs; the window program's start.
-The gap from one layer's last end to the next layer's release is the reduce and map kernels between them.
+The gap from one layer's last end to the next layer's release is the reduce kernel between them.
 """
 
 import argparse
@@ -30,16 +31,15 @@ EDITS = [  # (anchor in kernels/decode_attention.cu, what replaces it)
      "float scale, uint device_lengths, unsigned long long* trace) {\n"
      f"    unsigned long long* stamps = trace + {STAMPS} * (blockIdx.y * gridDim.x + blockIdx.x);\n"
      "    if (threadIdx.x == 0) stamps[0] = kvq_now();"),
-    ("    kvq_await_map_kernel();\n    // The query's A",
-     "    kvq_await_map_kernel();\n    if (threadIdx.x == 0) stamps[1] = kvq_now();\n    // The query's A"),
+    ("    kvq_await_previous_kernel();\n    kvq_map_query(",
+     "    kvq_await_previous_kernel();\n    if (threadIdx.x == 0) stamps[1] = kvq_now();\n    kvq_map_query("),
     ('    asm volatile("cp.async.wait_all;" ::: "memory");\n',
      '    asm volatile("cp.async.wait_all;" ::: "memory");\n'
      "    if (threadIdx.x % 32 == 0) stamps[2 + warp] = kvq_now();\n"),
     ("    if (x == 0) {\n        maxima[stat] = top * KVQ_LN2;",
      "    if (x == 0) stamps[6] = kvq_now();\n    if (x == 0) {\n        maxima[stat] = top * KVQ_LN2;"),
-    ("uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split, float scale) {",
-     "uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split, float scale, "
-     "unsigned long long* stamps) {"),
+    ("uint n_splits, uint split,\n    float scale) {",
+     "uint n_splits, uint split,\n    float scale, unsigned long long* stamps) {"),
     ("start, end, bh, gqa, capacity, gridDim.y, split, scale);",
      "start, end, bh, gqa, capacity, gridDim.y, split, scale, stamps);"),
 ]

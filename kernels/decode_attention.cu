@@ -4,7 +4,9 @@
 // registers, with no layout change through shared memory (the Triton kernel's 828-instruction loop per
 // 64 tokens spent 40 shared-memory ops on V's and ~100 moves rebuilding the query's; RESULTS.md item 24).
 //
-// Each program is KVQ_WARPS warps on one (batch, KV head) and one split of the packed tokens; its warps
+// Each program is KVQ_WARPS warps on one (batch, KV head) and one split of the packed tokens. It maps its query
+// heads into the codes' domain itself (kvq_map_query), so no map kernel runs before it: on the H100 that was
+// 1.5-1.9 us of the 32K step, though every program now reads the 32 KB map (RESULTS.md item 39). Its warps
 // take 16-token tiles in turn, each streaming its own tiles through a private cp.async ring, and merge
 // their partial softmaxes at the end. The last split takes the residual window (exact rows) instead.
 //
@@ -200,11 +202,6 @@ __device__ __forceinline__ void kvq_await_previous_kernel() {
 #endif
 }
 
-// Launched programmatically dependent on the map kernel (a no-op otherwise): waits until it has finished
-// and its writes are visible. Every write of this kernel's outputs comes after it, as the map kernel
-// itself started only once the previous reduce, which reads them, had finished.
-__device__ __forceinline__ void kvq_await_map_kernel() { kvq_await_previous_kernel(); }
-
 // One lane's share of a tile's copies (four 16-byte chunks of codes and one token's scales): where they go
 // in a stage, and where they come from for the warp's first tile; a warp's next tile lies KVQ_WARPS tiles on.
 struct kvq_copy_plan {
@@ -251,10 +248,59 @@ __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint s
     kvq_copy_scales(stage + plan.scale_at, scale_valid ? scales : scales - plan.scale_token * KVQ_GROUPS, scale_valid);
 }
 
+// The query map, x -> x M for the program's query rows, as mma's with M^T as the A operand in the host's fragment
+// order (kvq.kernels.decode_attention.fragment_order: one 16-byte load per lane per m-tile and k-step) and the
+// rows as B (lane (r, c): row r's coordinates 16 s + 2c, + 1 and + 8, + 9; zeros for rows r >= gqa). Warp w
+// computes coordinates 32 w .. 32 w + 31; its A fragments are loaded before the wait (they do not depend on the
+// previous kernel), and the mapped rows land in `rows` as [head][D] float32. The map and the query enter in fp16
+// with float32 sums: the scores' mma takes the mapped query in fp16 anyway.
+struct kvq_query_map_fragments {
+    uint4 a[2][8];
+};
+
+__device__ __forceinline__ kvq_query_map_fragments kvq_load_query_map(const uint4* query_map, uint warp, uint lane) {
+    kvq_query_map_fragments map;
+#pragma unroll
+    for (uint i = 0; i < 2; ++i)
+#pragma unroll
+        for (uint s = 0; s < 8; ++s) map.a[i][s] = __ldg(query_map + ((2 * warp + i) * 8 + s) * 32 + lane);
+    return map;
+}
+
+__device__ __forceinline__ void kvq_map_query(const kvq_query_map_fragments& map, const kvq_elem* query, float* rows,
+                                              uint bh, uint gqa, uint warp, uint r, uint c) {
+    bool live = r < gqa;
+    const kvq_elem* q_row = query + ((unsigned long long)bh * gqa + min(r, gqa - 1)) * KVQ_D + 2 * c;
+    uint b[8][2];
+#pragma unroll
+    for (uint s = 0; s < 8; ++s) {
+        const kvq_elem* at = q_row + 16 * s;
+        b[s][0] = live ? kvq_half2(kvq_to_float(at[0]), kvq_to_float(at[1])) : 0u;
+        b[s][1] = live ? kvq_half2(kvq_to_float(at[8]), kvq_to_float(at[9])) : 0u;
+    }
+#pragma unroll
+    for (uint i = 0; i < 2; ++i) {
+        float mapped[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (uint s = 0; s < 8; ++s) {
+            kvq_mma(mapped, map.a[i][s].x, map.a[i][s].y, map.a[i][s].z, map.a[i][s].w, b[s][0], b[s][1]);
+        }
+        // lane (r, c): coordinates 16 m + r and + 8 of heads 2c, 2c + 1
+        if (c < KVQ_HEADS / 2) {
+            uint at = 16 * (2 * warp + i) + r;
+            rows[2 * c * KVQ_D + at] = mapped[0];
+            rows[(2 * c + 1) * KVQ_D + at] = mapped[1];
+            rows[2 * c * KVQ_D + at + 8] = mapped[2];
+            rows[(2 * c + 1) * KVQ_D + at + 8] = mapped[3];
+        }
+    }
+}
+
 __device__ __forceinline__ void kvq_packed_split(
-    uchar* stages, const float* mapped_query, const uchar* key_codes, const kvq_scale* key_scales,
-    const uchar* value_codes, const kvq_scale* value_scales, float* partial, float* maxima, float* sums, uint start,
-    uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split, float scale) {
+    uchar* stages, float* rows, const kvq_elem* query, const uint4* query_map, const uchar* key_codes,
+    const kvq_scale* key_scales, const uchar* value_codes, const kvq_scale* value_scales, float* partial,
+    float* maxima, float* sums, uint start, uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split,
+    float scale) {
     uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
     uint head = r % KVQ_HEADS;
 
@@ -273,21 +319,23 @@ __device__ __forceinline__ void kvq_packed_split(
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    kvq_await_map_kernel();
+    kvq_query_map_fragments map = kvq_load_query_map(query_map, warp, lane);
+    kvq_await_previous_kernel();
+    kvq_map_query(map, query, rows, bh, gqa, warp, r, c);
+    __syncthreads();
     // The query's A fragments: lane (r, c) holds group c's coordinates of row r (c even) or row r + 8 (c
     // odd) where that row's group is c, zeros otherwise; chunk 2w + e pairs the low nibbles of code bytes
     // 4w + 2e and 4w + 2e + 1 of the lane's group (coordinates 8w + 4e and + 2) and their high nibbles (+ 1,
     // + 3).
     bool live = c / 2 == r / 4 && head < gqa;
-    const float* q = mapped_query + ((unsigned long long)bh * gqa + head) * KVQ_D + 32 * c;
+    const float* q = rows + head * KVQ_D + 32 * c;
     float q_scale = scale * KVQ_LOG2E;
     uint q_low[8], q_high[8];
     float bias = 0.0f;
 #pragma unroll
     for (uint chunk = 0; chunk < 8; ++chunk) {
         uint at = 8 * (chunk / 2) + 4 * (chunk % 2);
-        float4 coords = live ? make_float4(q[at], q[at + 1], q[at + 2], q[at + 3])
-                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 coords = live ? *(const float4*)(q + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         q_low[chunk] = kvq_half2(coords.x * q_scale, coords.z * q_scale);
         q_high[chunk] = kvq_half2(coords.y * q_scale * 0.0625f, coords.w * q_scale * 0.0625f);
         bias += 1032.0f * kvq_half2_sum(q_low[chunk]) + 1152.0f * kvq_half2_sum(q_high[chunk]);
@@ -462,13 +510,12 @@ __device__ __forceinline__ void kvq_packed_split(
 }
 
 // The residual window (exact rows, at most a few dozen): warp h scores head h against each row in float32.
-// (It needs nothing from the map kernel, but writes what the previous step's reduce may still read.)
 __device__ __forceinline__ void kvq_window_split(const kvq_elem* query, const kvq_elem* window_keys,
                                                  const kvq_elem* window_values, float* partial, float* maxima,
                                                  float* sums, uint n_window, uint bh, uint gqa,
                                                  uint window_capacity, uint n_splits, uint split, float scale) {
     uint h = threadIdx.x / 32, lane = threadIdx.x % 32;
-    kvq_await_map_kernel();
+    kvq_await_previous_kernel();
     if (h >= gqa) return;
     unsigned long long head = (unsigned long long)bh * gqa + h;
     float q[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -498,18 +545,19 @@ __device__ __forceinline__ void kvq_window_split(const kvq_elem* query, const kv
 }
 
 // Grid (batch * KV heads, splits), KVQ_WARPS warps. Buffers as the Triton partial kernel's: codes and scales
-// (B, Hkv, capacity, .), windows (B, Hkv, window_capacity, D), query and mapped query (B, Hq, D), partials
-// (B, Hq, splits, D) and (B, Hq, splits). With device_lengths the token counts come from `lengths`
-// (packed << 32 | window).
+// (B, Hkv, capacity, .), windows (B, Hkv, window_capacity, D), query (B, Hq, D), partials (B, Hq, splits, D) and
+// (B, Hq, splits); the query map in fragment order (D x D fp16, kvq_map_query). With device_lengths the token
+// counts come from `lengths` (packed << 32 | window).
 extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq_decode_partial(
-    const float* mapped_query, const kvq_elem* query, const uchar* key_codes, const kvq_scale* key_scales,
+    const uint4* query_map, const kvq_elem* query, const uchar* key_codes, const kvq_scale* key_scales,
     const uchar* value_codes, const kvq_scale* value_scales, const kvq_elem* window_keys, const kvq_elem* window_values,
     float* partial, float* maxima, float* sums, const long long* lengths, uint n_packed, uint n_window,
     uint tokens_per_split, uint n_packed_splits, uint kv_heads, uint gqa, uint capacity, uint window_capacity,
     float scale, uint device_lengths) {
     __shared__ __align__(16) uchar stages[KVQ_WARPS * KVQ_STAGES * KVQ_STAGE_BYTES];
-    // Programmatic dependent launch: the next kernel may launch now. This one reads the mapped query only
-    // after kvq_await_map_kernel, but the cache before it: what wrote the cache ran before the map kernel.
+    __shared__ __align__(16) float mapped_rows[KVQ_HEADS * KVQ_D];
+    // Programmatic dependent launch: the next kernel may launch now. This one reads the query only after
+    // kvq_await_previous_kernel, and writes nothing before it: the previous step's reduce reads the partials.
     kvq_launch_dependents();
     if (device_lengths) {  // never past the buffers, whatever the device holds
         long long counts = *lengths;
@@ -519,8 +567,8 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
     uint bh = blockIdx.x, split = blockIdx.y;
     if (split < n_packed_splits) {
         uint start = split * tokens_per_split, end = min(start + tokens_per_split, n_packed);
-        kvq_packed_split(stages, mapped_query, key_codes, key_scales, value_codes, value_scales, partial, maxima, sums,
-                         start, end, bh, gqa, capacity, gridDim.y, split, scale);
+        kvq_packed_split(stages, mapped_rows, query, query_map, key_codes, key_scales, value_codes, value_scales,
+                         partial, maxima, sums, start, end, bh, gqa, capacity, gridDim.y, split, scale);
     } else {
         kvq_window_split(query, window_keys, window_values, partial, maxima, sums, n_window, bh, gqa,
                          window_capacity, gridDim.y, split, scale);

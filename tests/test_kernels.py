@@ -55,8 +55,11 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
 
 
 @pytest.mark.parametrize("d, group, q_heads, tokens, window_dtype, scales, fits", [
-    (128, 32, 32, 16384, torch.float16, (torch.float32, torch.float32), True),  # Llama-3-8B's, from 16K tokens
-    (128, 32, 32, 8192, torch.float16, (torch.float32, torch.float32), False),  # shorter: Triton was the faster
+    (128, 32, 32, 16384, torch.float16, (torch.float32, torch.float32), True),  # Llama-3-8B's, from 12K tokens
+    (128, 32, 32, 12288, torch.float16, (torch.float32, torch.float32), True),
+    (128, 32, 32, 8192, torch.float16, (torch.float32, torch.float32), False),  # 3K-12K: Triton was the faster
+    (128, 32, 32, 3072, torch.float16, (torch.float32, torch.float32), False),
+    (128, 32, 32, 2048, torch.float16, (torch.float32, torch.float32), True),  # short: one kernel fewer won
     (128, 32, 8, 65536, torch.float16, (torch.float32, torch.float32), True),  # one query head per KV head
     (64, 32, 16, 65536, torch.float16, (torch.float32, torch.float32), False),  # head_dim 64: layouts are for 128
     (128, 128, 32, 65536, torch.float16, (torch.float32, torch.float32), False),  # per-token scales
@@ -95,6 +98,27 @@ def test_split_plan_stays_within_the_programs_the_sms_hold(heads, tokens):
     splits, per_split = decode_attention.split_counts(tokens, heads, 528, 64)
     assert per_split % 64 == 0 and (splits - 1) * per_split < tokens <= splits * per_split
     assert splits * heads <= max(528, heads)
+
+
+def test_fragment_order_is_the_transposed_map_as_mma_reads_its_a_operand():
+    """Lane (r, c) of m16n8k16 holds A rows r, r + 8 (registers 0/1, 2/3) at columns 2c, 2c + 1 (registers 0, 1)
+    and 2c + 8, 2c + 9 (2, 3): rebuilding A from the lanes' registers must give the map's transpose in fp16."""
+    matrix = torch.randn(128, 128, generator=torch.Generator().manual_seed(0))
+    fragments = decode_attention.fragment_order(matrix)
+    assert fragments.shape == (8, 8, 32, 4, 2) and fragments.dtype == torch.float16
+    rebuilt = torch.empty(128, 128, dtype=torch.float16)
+    for lane in range(32):
+        r, c = divmod(lane, 4)
+        for register in range(4):
+            row, column = r + 8 * (register % 2), 2 * c + 8 * (register // 2)
+            for tile in range(8):
+                for step in range(8):
+                    pair = fragments[tile, step, lane, register]
+                    rebuilt[16 * tile + row, 16 * step + column:16 * step + column + 2] = pair
+    assert torch.equal(rebuilt, matrix.T.to(torch.float16))
+    assert decode_attention.fragment_order(matrix) is fragments  # kept while the map lives unchanged
+    matrix.mul_(2)  # modified in place: built again
+    assert torch.equal(decode_attention.fragment_order(matrix), 2 * fragments)
 
 
 @pytest.mark.parametrize("registers, shared, warps, expected", [

@@ -11,27 +11,32 @@ scales into the second product.
 
 Packed codes live in the quantizers' rotated, lambda-scaled domains (y = lam * R x). With
 query_map = R_k^T diag(1/lam_k) and output_map = diag(1/lam_v) R_v: q . k = (q query_map) . y_k and
-sum_i p_i v_i = (sum_i p_i y_v,i) output_map. The wrapper maps the query once (a d x d product: inside
-every program it cost more GPU time than it saved host time); the packed splits accumulate in the
-value domain and the residual-window split (exact tokens) in the model's, and the reduce pass maps the
-packed sum back before adding the window's, so the window needs no per-step rotation.
-
-The step's three kernels (map, partials, reduce) are launched programmatically dependent on Hopper, so
-each one's launch overlaps the kernel before it (_await_previous_kernel).
+sum_i p_i v_i = (sum_i p_i y_v,i) output_map. The packed splits accumulate in the value domain and the
+residual-window split (exact tokens) in the model's, and the reduce pass maps the packed sum back before
+adding the window's, so the window needs no per-step rotation.
 
 The partials come from kernels/decode_attention.cu (CUDA, through NVRTC) where the shape fits it (head_dim
 128, int4 K and V in scale groups of 32, at most 4 query heads per KV head: Llama-3-8B's, `kvq bench
-kernels`' shapes) and the sequence is long enough for it to be the faster (CUDA_PARTIAL_MIN_TOKENS); from
-the Triton _partial_kernel otherwise. Its fragment layouts turn codes into tensor-core operands in
-registers, which Triton's layouts do not allow (see its header). At head_dim 128 the reduce pass is that
-file's kvq_decode_reduce, after either partial kernel: all of a query head's partials in one round trip
-(on the H100, 0.1-1.0 us per step faster than the Triton _reduce_kernel from 2K to 128K tokens, 0.5 us slower
-at 1K with fp16 scales; RESULTS.md items 36-37).
+kernels`' shapes) and the sequence length is one at which it is the faster (CUDA_PARTIAL_MIN_TOKENS,
+CUDA_PARTIAL_SHORT_TOKENS); from the Triton _partial_kernel otherwise. Its fragment layouts turn codes into
+tensor-core operands in registers, which Triton's layouts do not allow (see its header), and each of its
+programs maps its own query (an mma per warp on the map in fragment_order), which spares the step the map
+kernel: 1.5-1.9 us per step at 32K tokens on the H100 (RESULTS.md item 39). The Triton step maps the query
+once, in its own kernel (inside every Triton program the d x d product cost more GPU time than it saved host
+time).
+
+The step's kernels (map, partials, reduce; or partials and reduce) are launched programmatically dependent on
+Hopper, so each one's launch overlaps the kernel before it (_await_previous_kernel).
+
+At head_dim 128 the reduce pass is kernels/decode_attention.cu's kvq_decode_reduce, after either partial
+kernel: all of a query head's partials in one round trip (on the H100, 0.1-1.0 us per step faster than the
+Triton _reduce_kernel from 2K to 128K tokens, 0.5 us slower at 1K with fp16 scales; RESULTS.md items 36-37).
 
 `decode_attention` dispatches to these kernels on CUDA and to `decode_attention_reference` (dequantize to
 the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
 """
 
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -386,10 +391,13 @@ if triton is not None:
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
-# Fewest tokens (split over) for which the CUDA partial kernel serves: on the H100 it took 18.1-18.2 us per
-# step at 16K tokens against Triton's 19.1-19.2 (RESULTS.md item 27) and 24.2-24.7 against 27.0-27.1 at 32K,
-# but 14.9-15.0 against 13.8 at 8K (item 26).
-CUDA_PARTIAL_MIN_TOKENS = 16384
+# Tokens (split over) for which the CUDA partial kernel serves: from CUDA_PARTIAL_MIN_TOKENS on, and below
+# CUDA_PARTIAL_SHORT_TOKENS. Its step has one kernel fewer than Triton's (it maps the query itself), which
+# decides short sequences; Triton's partial kernel streams the better in between. On the H100, us per step
+# (RESULTS.md item 39): CUDA 7.2 against Triton's 9.0-9.4 at 1K, 9.1 against 9.5-9.7 at 2K, level at 3K,
+# 10.2-10.3 against 9.9 at 4K, 12.4-12.9 against 11.8-12.4 at 8K, 14.7-14.9 against 15.6-16.0 at 12K.
+CUDA_PARTIAL_MIN_TOKENS = 12288
+CUDA_PARTIAL_SHORT_TOKENS = 3072
 CUDA_HEAD_DIM = 128  # kernels/decode_attention.cu's KVQ_D
 
 
@@ -406,8 +414,9 @@ def _cuda_reduce_fits(query) -> bool:
 
 def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values, tokens: int) -> bool:
     """The shapes kernels/decode_attention.cu is written for (its header), the window in the query's dtype,
-    and a sequence long enough for it to be the faster."""
-    return (LAUNCH.partial == "cuda" and _cuda_kernels_build(query.device) and tokens >= CUDA_PARTIAL_MIN_TOKENS
+    and a sequence length at which it is the faster."""
+    return (LAUNCH.partial == "cuda" and _cuda_kernels_build(query.device)
+            and (tokens >= CUDA_PARTIAL_MIN_TOKENS or tokens < CUDA_PARTIAL_SHORT_TOKENS)
             and keys.bits == values.bits == 4
             and keys.head_dim == CUDA_HEAD_DIM
             and keys.scales.shape[-1] == values.scales.shape[-1] == 4
@@ -435,6 +444,33 @@ def build_cuda_partial(source: str, device: torch.device) -> CudaLaunch:
 @lru_cache(maxsize=8)
 def _cuda_partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, device: torch.device) -> CudaLaunch:
     return build_cuda_partial(cuda_partial_source(dtype, scale_dtype), device)
+
+
+MMA_TILE = 16  # rows and columns of an m16n8k16 A fragment
+
+
+def fragment_order(matrix: torch.Tensor) -> torch.Tensor:
+    """A d x d map (x -> x @ matrix) as kernels/decode_attention.cu's kvq_map_query takes it: matrix^T in fp16,
+    cut into m16n8k16 A fragments, (m-tile, k-step, lane, register, half): lane (r, c) of tile (i, s) holds rows
+    r and r + 8, columns 2c, 2c + 1 and 2c + 8, 2c + 9 of block (i, s), so a warp reads a step in one 16-byte
+    load per lane.
+
+    Kept per tensor while it lives and is not modified in place, so a captured step launches no conversion."""
+    hit = _fragments.get(id(matrix))
+    if hit is not None and hit[0]() is matrix and hit[1] == matrix._version:
+        return hit[2]
+    tiles = matrix.shape[0] // MMA_TILE
+    blocks = matrix.T.to(torch.float16).reshape(tiles, MMA_TILE, tiles, MMA_TILE).permute(0, 2, 1, 3)
+    lane, register, half = (torch.arange(n, device=matrix.device) for n in (32, 4, 2))
+    rows = lane[:, None, None] // 4 + 8 * (register[None, :, None] % 2) + 0 * half
+    columns = 2 * (lane[:, None, None] % 4) + 8 * (register[None, :, None] // 2) + half
+    fragments = blocks[:, :, rows, columns].contiguous()
+    key = id(matrix)
+    _fragments[key] = (weakref.ref(matrix, lambda _, key=key: _fragments.pop(key, None)), matrix._version, fragments)
+    return fragments
+
+
+_fragments: dict[int, tuple] = {}
 
 
 @lru_cache(maxsize=8)
@@ -611,13 +647,13 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
     n_splits = packed_splits + 1  # the last program takes the residual window
     mapped_query, partial, maxima, sums = _workspace(batch, q_heads, n_splits, d, query.device)
     columns = min(d, MAP_COLUMNS)
-    if "map" in LAUNCH.kernels:
+    if "map" in LAUNCH.kernels and not cuda_partial:  # the CUDA partial kernel maps the query itself
         _launch(_map_query_kernel, (batch * q_heads, d // columns),
                 (query, query_map.float().contiguous(), mapped_query), D=d, COLS=columns, PDL=pdl, launch_pdl=pdl)
     if "partial" in LAUNCH.kernels and cuda_partial:
         cuda_kernel((batch * kv_heads, n_splits), [
-            mapped_query, query, keys.codes, keys.scales, values.codes, values.scales, window_keys, window_values,
-            partial, maxima, sums, lengths_pointer, n_packed, n_window, per_split, packed_splits,
+            fragment_order(query_map), query, keys.codes, keys.scales, values.codes, values.scales, window_keys,
+            window_values, partial, maxima, sums, lengths_pointer, n_packed, n_window, per_split, packed_splits,
             kv_heads, gqa, capacity, window_capacity, float(scale), int(lengths is not None)], programmatic=pdl)
     elif "partial" in LAUNCH.kernels:
         _launch(_partial_kernel, (batch * kv_heads, n_splits),
