@@ -29,7 +29,10 @@ ISSUE_ANCHOR = ("__device__ __forceinline__ void kvq_issue_tile(const kvq_copy_p
                 "uint t0, uint end) {\n")
 # The conditions below never hold for a real launch; they keep the compiler from proving the code after dead.
 LOADS_ONLY = [(LOOP_ANCHOR, LOOP_ANCHOR + "        if (t0 != 0xFFFFFFFFu) continue;\n")]
-ARITHMETIC_ONLY = [(ISSUE_ANCHOR, ISSUE_ANCHOR + "    if (end != 0xFFFFFFFFu) return;\n")]
+WHOLE_ISSUE_ANCHOR = ("__device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, uint stage, "
+                      "uint i) {\n")
+ARITHMETIC_ONLY = [(ISSUE_ANCHOR, ISSUE_ANCHOR + "    if (end != 0xFFFFFFFFu) return;\n"),
+                   (WHOLE_ISSUE_ANCHOR, WHOLE_ISSUE_ANCHOR + "    if (i != 0xFFFFFFFFu) return;\n")]
 VARIANTS = {"shipped": ([], torch.float32), "loads only": (LOADS_ONLY, torch.float32),
             "arithmetic only": (ARITHMETIC_ONLY, torch.float32), "fp16 scales": ([], torch.float16)}
 PIECES = {"step": ("map", "partial", "reduce"), "partial alone": ("partial",)}
@@ -49,7 +52,6 @@ def main() -> None:
         decode_attention.cuda_partial_source(torch.float16, scale_dtype, edited_source(edits)), device)
         for name, (edits, scale_dtype) in VARIANTS.items()}
     default = decode_attention.LAUNCH
-    decode_attention.CUDA_PARTIAL_MIN_TOKENS = 0
     for tokens in args.context:
         _, caches, _, step = attention_step("cuda", tokens, 32, 8, 128, 32)
         inputs = {name: caches for name in VARIANTS}

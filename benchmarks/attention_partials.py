@@ -4,8 +4,7 @@ one, alternating in one run, beside fp16 SDPA: us per step, and the partial kern
     python benchmarks/attention_partials.py --context 1024 8192 32768 131072
 
 Shapes and timing are `kvq bench kernels`': Llama-3-8B attention (32 query / 8 KV heads, d=128) over int4
-g32 caches, CUDA-graph replays cycling through 4 layers' caches. The CUDA kernel runs at every length here
-(the library takes it from CUDA_PARTIAL_MIN_TOKENS tokens on).
+g32 caches, CUDA-graph replays cycling through 4 layers' caches.
 """
 
 import argparse
@@ -22,8 +21,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    default, threshold = decode_attention.LAUNCH, decode_attention.CUDA_PARTIAL_MIN_TOKENS
-    decode_attention.CUDA_PARTIAL_MIN_TOKENS = 0
+    default = decode_attention.LAUNCH
     try:
         for tokens in args.context:
             _, caches, q16, step = attention_step("cuda", tokens, 32, 8, 128, 32)
@@ -39,7 +37,7 @@ def main() -> None:
                 f"{label} " + " / ".join(f"{t:.2f}" for t in values) for label, values in times.items())
                 + f"; vs SDPA: cuda {sdpa / min(times['cuda']):.2f}x, triton {sdpa / min(times['triton']):.2f}x")
     finally:
-        decode_attention.LAUNCH, decode_attention.CUDA_PARTIAL_MIN_TOKENS = default, threshold
+        decode_attention.LAUNCH = default
 
 
 if __name__ == "__main__":

@@ -33,13 +33,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     parser.add_argument("--scales", nargs="+", default=["float32", "float16"])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--min-tokens", type=int, help="serve the CUDA partial kernel from this many tokens on")
     parser.add_argument("--partial", help="LaunchConfig.partial, cuda or triton (default: the library's)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads, each with 4 query heads")
     parser.add_argument("--sdpa", action="store_true", help="also time fp16 SDPA on fp16 caches")
     args = parser.parse_args()
-    if args.min_tokens is not None:
-        decode_attention.CUDA_PARTIAL_MIN_TOKENS = args.min_tokens
     if args.partial is not None:
         decode_attention.LAUNCH = dataclasses.replace(decode_attention.LAUNCH, partial=args.partial)
     for tokens in args.contexts:

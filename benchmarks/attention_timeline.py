@@ -78,7 +78,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[32768])
     args = parser.parse_args()
     source = edited_source(EDITS)
-    decode_attention.CUDA_PARTIAL_MIN_TOKENS = 0
     for tokens in args.context:
         _, caches, _, step = attention_step("cuda", tokens, 32, 8, 128, 32)
         window_programs = math.prod(caches[0][0].codes.shape[:2])  # the grid's last row: batch x KV heads

@@ -41,10 +41,12 @@ typedef unsigned short ushort;
 #define KVQ_HEADS 4                       // query rows per group in the fragments
 #define KVQ_TILE 16                       // tokens per warp step
 #define KVQ_WARPS 4
-// RESULTS.md item 26's sweep: 3 stages were the fastest of 2-4 at 32K tokens, 2 by 1-4% at 8K and 128K;
-// launch bounds for 3 programs per SM lost to 4.
-#define KVQ_STAGES 3                      // tiles a warp keeps in flight + 1
-#define KVQ_MIN_BLOCKS 4
+// Three programs per SM with four stages (RESULTS.md item 42): 1.2-1.7 us faster at 32K tokens on the H100 than
+// item 26's four programs with three stages, now that every program maps its query. A program fewer per SM
+// reads the 32 KB map a quarter less often, and the registers it frees (147-153 rather than 128) end the
+// loop's re-materialized addresses and constants.
+#define KVQ_STAGES 4                      // tiles a warp keeps in flight + 1
+#define KVQ_MIN_BLOCKS 3
 #define KVQ_CODES_BYTES (KVQ_TILE * KVQ_ROW_BYTES)
 #if KVQ_SCALE_HALF
 typedef unsigned short kvq_scale;
@@ -248,6 +250,29 @@ __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint s
     kvq_copy_scales(stage + plan.scale_at, scale_valid ? scales : scales - plan.scale_token * KVQ_GROUPS, scale_valid);
 }
 
+// The same for a tile wholly before `end` (all of a split's but its last): no bounds to check, no zero fill. On
+// the H100 the loop's copies took ~60 instructions per tile with the checks, ~30 without (RESULTS.md item 42).
+__device__ __forceinline__ void kvq_copy16_whole(uint shared, const void* global) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, uint stage, uint i) {
+    unsigned long long step = (unsigned long long)i * KVQ_WARPS * KVQ_TILE;
+    const uchar* key = plan.key + step * KVQ_ROW_BYTES;
+    const uchar* value = plan.value + step * KVQ_ROW_BYTES;
+    const kvq_scale* scales = plan.scales + step * KVQ_GROUPS;
+    const uint next = 8 * KVQ_ROW_BYTES;
+    kvq_copy16_whole(stage + plan.key_at, key);
+    kvq_copy16_whole(stage + plan.key_at + next, key + next);
+    kvq_copy16_whole(stage + plan.value_at, value);
+    kvq_copy16_whole(stage + plan.value_next_at, value + next);
+#if KVQ_SCALE_HALF
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(stage + plan.scale_at), "l"(scales) : "memory");
+#else
+    kvq_copy16_whole(stage + plan.scale_at, scales);
+#endif
+}
+
 // The query map, x -> x M for the program's query rows, as mma's with M^T as the A operand in the host's fragment
 // order (kvq.kernels.decode_attention.fragment_order: one 16-byte load per lane per m-tile and k-step) and the
 // rows as B (lane (r, c): row r's coordinates 16 s + 2c, + 1 and + 8, + 9; zeros for rows r >= gqa). Warp w
@@ -367,8 +392,13 @@ __device__ __forceinline__ void kvq_packed_split(
         __syncwarp();
         uint ahead = i + KVQ_STAGES - 1;
         if (ahead < my_tiles) {
-            kvq_issue_tile(plan, ring_address + (ahead % KVQ_STAGES) * KVQ_STAGE_BYTES, ahead,
-                           start + KVQ_TILE * (warp + KVQ_WARPS * ahead), end);
+            uint ahead_t0 = start + KVQ_TILE * (warp + KVQ_WARPS * ahead);
+            uint stage = ring_address + (ahead % KVQ_STAGES) * KVQ_STAGE_BYTES;
+            if (ahead_t0 + KVQ_TILE <= end) {
+                kvq_issue_whole_tile(plan, stage, ahead);
+            } else {
+                kvq_issue_tile(plan, stage, ahead, ahead_t0, end);
+            }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
         const uchar* tile = ring + (i % KVQ_STAGES) * KVQ_STAGE_BYTES;
@@ -403,10 +433,17 @@ __device__ __forceinline__ void kvq_packed_split(
                 v_scale[2 * n + e] = kvq_scale_pair(tile + KVQ_VS_AT + token * KVQ_SCALE_ROW_BYTES, r);
                 float share = k_scale.x * s[n][e] + k_scale.y * s[n][2 + e];
                 float full = share + __shfl_xor_sync(KVQ_FULL, share, 16);
-                score[2 * n + e] = t0 + token < end ? full : KVQ_NEG_INF;
-                tile_max = fmaxf(tile_max, score[2 * n + e]);
+                score[2 * n + e] = full;
             }
         }
+        if (t0 + KVQ_TILE > end) {  // only a split's last tile runs past its end: the others skip the checks
+#pragma unroll
+            for (uint t = 0; t < 4; ++t) {
+                if (t0 + 8 * (t / 2) + 2 * c + t % 2 >= end) score[t] = KVQ_NEG_INF;
+            }
+        }
+#pragma unroll
+        for (uint t = 0; t < 4; ++t) tile_max = fmaxf(tile_max, score[t]);
         tile_max = fmaxf(tile_max, __shfl_xor_sync(KVQ_FULL, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(KVQ_FULL, tile_max, 2));
         float m_new = fmaxf(m, tile_max);

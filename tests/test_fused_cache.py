@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
 from kvq.cache import FusedLayer, PackedStore, QuantizedKVCache, QuantizedLayer, fused_decoding
 from kvq.errors import KvqError
-from kvq.kernels import decode_attention, packing_reason
+from kvq.kernels import packing_reason
 from kvq.quant import QuantSpec
 
 
@@ -33,10 +33,9 @@ def reference_attention(query, keys, values, scale):
                                           (QuantSpec("int", 4, "per_token"), 37),
                                           (QuantSpec("srft", 4, "per_group", 32), 5),
                                           (QuantSpec("srft", 4, "per_group", 32, scale_dtype="float16"), 37)])
-def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt, monkeypatch):
+def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt):
     """Twenty decode steps cross a window flush; a 5-token prompt starts with nothing packed. On CUDA the
-    int4 g32 case runs kernels/decode_attention.cu's partial kernel, whatever the length."""
-    monkeypatch.setattr(decode_attention, "CUDA_PARTIAL_MIN_TOKENS", 0)
+    int4 g32 case runs kernels/decode_attention.cu's partial kernel."""
     d, kv_heads, q_heads = 128, 2, 8
     bank = QuantizerBank(spec, KVGeometry(1, kv_heads, d))
     bank.get(0, "k").lam = torch.rand(d) + 0.5  # a calibrated lambda must round-trip through the maps

@@ -54,28 +54,24 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
     assert "float32 or float16 scales" in unsupported_reason(quantizer(scales="bfloat16"))
 
 
-@pytest.mark.parametrize("d, group, q_heads, tokens, window_dtype, scales, fits", [
-    (128, 32, 32, 16384, torch.float16, (torch.float32, torch.float32), True),  # Llama-3-8B's, from 12K tokens
-    (128, 32, 32, 12288, torch.float16, (torch.float32, torch.float32), True),
-    (128, 32, 32, 8192, torch.float16, (torch.float32, torch.float32), False),  # 3K-12K: Triton was the faster
-    (128, 32, 32, 3072, torch.float16, (torch.float32, torch.float32), False),
-    (128, 32, 32, 2048, torch.float16, (torch.float32, torch.float32), True),  # short: one kernel fewer won
-    (128, 32, 8, 65536, torch.float16, (torch.float32, torch.float32), True),  # one query head per KV head
-    (64, 32, 16, 65536, torch.float16, (torch.float32, torch.float32), False),  # head_dim 64: layouts are for 128
-    (128, 128, 32, 65536, torch.float16, (torch.float32, torch.float32), False),  # per-token scales
-    (128, 32, 56, 65536, torch.float16, (torch.float32, torch.float32), False),  # 7 query heads per KV head
-    (128, 32, 32, 65536, torch.float32, (torch.float32, torch.float32), False),  # window dtype is not the query's
-    (128, 32, 32, 65536, torch.float16, (torch.float16, torch.float16), True),  # fp16 scales
-    (128, 32, 32, 65536, torch.float16, (torch.float16, torch.float32), False),  # K and V scales differ
-    (128, 32, 32, 65536, torch.float16, (torch.bfloat16, torch.bfloat16), False),
+@pytest.mark.parametrize("d, group, q_heads, window_dtype, scales, fits", [
+    (128, 32, 32, torch.float16, (torch.float32, torch.float32), True),  # Llama-3-8B's
+    (128, 32, 8, torch.float16, (torch.float32, torch.float32), True),  # one query head per KV head
+    (64, 32, 16, torch.float16, (torch.float32, torch.float32), False),  # head_dim 64: layouts are for 128
+    (128, 128, 32, torch.float16, (torch.float32, torch.float32), False),  # per-token scales
+    (128, 32, 56, torch.float16, (torch.float32, torch.float32), False),  # 7 query heads per KV head
+    (128, 32, 32, torch.float32, (torch.float32, torch.float32), False),  # window dtype is not the query's
+    (128, 32, 32, torch.float16, (torch.float16, torch.float16), True),  # fp16 scales
+    (128, 32, 32, torch.float16, (torch.float16, torch.float32), False),  # K and V scales differ
+    (128, 32, 32, torch.float16, (torch.bfloat16, torch.bfloat16), False),
 ])
-def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, tokens, window_dtype, scales,
-                                                                fits, monkeypatch):
+def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, window_dtype, scales, fits,
+                                                                monkeypatch):
     monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=9))  # an H100
     keys, values = (random_packed(1, 8, 4, d, 4, group, "cpu", scale_dtype=dtype) for dtype in scales)
     query = torch.zeros(1, q_heads, d, dtype=torch.float16)
     window = torch.zeros(1, 8, 2, d, dtype=window_dtype)
-    assert decode_attention._cuda_partial_fits(query, keys, values, window, window, tokens) == fits
+    assert decode_attention._cuda_partial_fits(query, keys, values, window, window) == fits
 
 
 @pytest.mark.parametrize("major, builds", [(7, False), (8, True), (9, True)])
@@ -85,19 +81,20 @@ def test_cuda_kernels_serve_from_sm_80_on(major, builds, monkeypatch):
     keys, values = (random_packed(1, 8, 4, 128, 4, 32, "cpu") for _ in range(2))
     query = torch.zeros(1, 32, 128, dtype=torch.float16)
     window = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
-    assert decode_attention._cuda_partial_fits(query, keys, values, window, window, 32768) == builds
+    assert decode_attention._cuda_partial_fits(query, keys, values, window, window) == builds
     assert decode_attention._cuda_reduce_fits(query) == builds
     assert not decode_attention._cuda_reduce_fits(torch.zeros(1, 32, 64, dtype=torch.float16))  # KVQ_D is 128
 
 
+@pytest.mark.parametrize("programs", [396, 528])  # the H100's 132 SMs x 3 (CUDA partial) or 4 programs
 @pytest.mark.parametrize("heads", [1, 5, 7, 8, 24, 40, 600])
 @pytest.mark.parametrize("tokens", [1, 63, 4096, 32768, 131075])
-def test_split_plan_stays_within_the_programs_the_sms_hold(heads, tokens):
-    """The H100's 132 SMs x 4 programs: no packed split may wait for another to end (7 or 40 (batch, KV head)
-    pairs once asked for 532 and 560 programs), and every token lies in one split."""
-    splits, per_split = decode_attention.split_counts(tokens, heads, 528, 64)
+def test_split_plan_stays_within_the_programs_the_sms_hold(heads, tokens, programs):
+    """No packed split may wait for another to end (7 or 40 (batch, KV head) pairs once asked for 532 and 560
+    of 528 programs), and every token lies in one split."""
+    splits, per_split = decode_attention.split_counts(tokens, heads, programs, 64)
     assert per_split % 64 == 0 and (splits - 1) * per_split < tokens <= splits * per_split
-    assert splits * heads <= max(528, heads)
+    assert splits * heads <= max(programs, heads)
 
 
 def test_fragment_order_is_the_transposed_map_as_mma_reads_its_a_operand():
@@ -312,7 +309,6 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
 def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, bits,
                                                       group, dtype, scales, monkeypatch):
     monkeypatch.setattr(decode_attention, "LAUNCH", dataclasses.replace(decode_attention.LAUNCH, partial=partial))
-    monkeypatch.setattr(decode_attention, "CUDA_PARTIAL_MIN_TOKENS", 0)  # the CUDA kernel at every length
     generator = torch.Generator().manual_seed(tokens)
     keys = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator, scales)
     values = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator, scales)

@@ -17,8 +17,8 @@ adding the window's, so the window needs no per-step rotation.
 
 The partials come from kernels/decode_attention.cu (CUDA, through NVRTC) where the shape fits it (head_dim
 128, int4 K and V in scale groups of 32, at most 4 query heads per KV head: Llama-3-8B's, `kvq bench
-kernels`' shapes) and the sequence length is one at which it is the faster (CUDA_PARTIAL_MIN_TOKENS,
-CUDA_PARTIAL_SHORT_TOKENS); from the Triton _partial_kernel otherwise. Its fragment layouts turn codes into
+kernels`' shapes), at every sequence length; from the Triton _partial_kernel otherwise. Its fragment layouts
+turn codes into
 tensor-core operands in registers, which Triton's layouts do not allow (see its header), and each of its
 programs maps its own query (an mma per warp on the map in fragment_order), which spares the step the map
 kernel: 1.5-1.9 us per step at 32K tokens on the H100 (RESULTS.md item 39). The Triton step maps the query
@@ -391,13 +391,10 @@ if triton is not None:
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
-# Tokens (split over) for which the CUDA partial kernel serves: from CUDA_PARTIAL_MIN_TOKENS on, and below
-# CUDA_PARTIAL_SHORT_TOKENS. Its step has one kernel fewer than Triton's (it maps the query itself), which
-# decides short sequences; Triton's partial kernel streams the better in between. On the H100, us per step
-# (RESULTS.md item 39): CUDA 7.2 against Triton's 9.0-9.4 at 1K, 9.1 against 9.5-9.7 at 2K, level at 3K,
-# 10.2-10.3 against 9.9 at 4K, 12.4-12.9 against 11.8-12.4 at 8K, 14.7-14.9 against 15.6-16.0 at 12K.
-CUDA_PARTIAL_MIN_TOKENS = 12288
-CUDA_PARTIAL_SHORT_TOKENS = 3072
+# The CUDA partial kernel serves every sequence length its shapes fit: with three programs per SM it is the
+# faster from 1K to 128K tokens on the H100 (RESULTS.md item 42; us per step against Triton's: 7.1 against
+# 9.0-9.4 at 1K, 9.3-9.4 against 9.8-9.9 at 4K, 11.4-12.1 against 11.9-12.7 at 8K, 13.6-13.7 against
+# 15.6-15.9 at 12K). Item 39's Triton window from 3K to 12K went with the four-program build.
 CUDA_HEAD_DIM = 128  # kernels/decode_attention.cu's KVQ_D
 
 
@@ -412,11 +409,9 @@ def _cuda_reduce_fits(query) -> bool:
     return query.shape[-1] == CUDA_HEAD_DIM and query.dtype in DTYPE_DEFINES and _cuda_kernels_build(query.device)
 
 
-def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values, tokens: int) -> bool:
-    """The shapes kernels/decode_attention.cu is written for (its header), the window in the query's dtype,
-    and a sequence length at which it is the faster."""
+def _cuda_partial_fits(query, keys: PackedKV, values: PackedKV, window_keys, window_values) -> bool:
+    """The shapes kernels/decode_attention.cu is written for (its header), with the window in the query's dtype."""
     return (LAUNCH.partial == "cuda" and _cuda_kernels_build(query.device)
-            and (tokens >= CUDA_PARTIAL_MIN_TOKENS or tokens < CUDA_PARTIAL_SHORT_TOKENS)
             and keys.bits == values.bits == 4
             and keys.head_dim == CUDA_HEAD_DIM
             and keys.scales.shape[-1] == values.scales.shape[-1] == 4
@@ -635,7 +630,7 @@ def _decode_attention_gpu(query, query_map, keys: PackedKV, values: PackedKV, wi
                 capacity, window_capacity, float(scale))
 
     tokens = n_packed if lengths is None else capacity
-    cuda_partial = _cuda_partial_fits(query, keys, values, window_keys, window_values, tokens)
+    cuda_partial = _cuda_partial_fits(query, keys, values, window_keys, window_values)
     if cuda_partial:
         cuda_kernel = _cuda_partial_kernel(query.dtype, keys.scales.dtype, query.device)
         resident = cuda_kernel.resident_blocks
