@@ -231,16 +231,29 @@ __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned lon
     return plan;
 }
 
+#define KVQ_NEXT_ROWS (8 * KVQ_ROW_BYTES)  // from a lane's token to token + 8
+
+// Where the lane's copies of the warp's i-th tile come from.
+struct kvq_tile_sources {
+    const uchar* key;
+    const uchar* value;
+    const kvq_scale* scales;
+};
+
+__device__ __forceinline__ kvq_tile_sources kvq_sources(const kvq_copy_plan& plan, uint i) {
+    unsigned long long step = (unsigned long long)i * KVQ_WARPS * KVQ_TILE;
+    return {plan.key + step * KVQ_ROW_BYTES, plan.value + step * KVQ_ROW_BYTES, plan.scales + step * KVQ_GROUPS};
+}
+
 // Issues the copies of the warp's i-th tile (its first token `t0`; tokens from `end` on are zero-filled,
 // read from the tile's first row instead) into `stage`.
 __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint stage, uint i, uint t0, uint end) {
-    unsigned long long step = (unsigned long long)i * KVQ_WARPS * KVQ_TILE;
-    const uchar* key = plan.key + step * KVQ_ROW_BYTES;
-    const uchar* value = plan.value + step * KVQ_ROW_BYTES;
-    const kvq_scale* scales = plan.scales + step * KVQ_GROUPS;
+    kvq_tile_sources from = kvq_sources(plan, i);
+    const uchar *key = from.key, *value = from.value;
+    const kvq_scale* scales = from.scales;
     bool valid = t0 + plan.token < end, next_valid = t0 + plan.token + 8 < end;
     bool scale_valid = t0 + plan.scale_token < end;
-    const uint next = 8 * KVQ_ROW_BYTES;
+    const uint next = KVQ_NEXT_ROWS;
     kvq_copy16(stage + plan.key_at, valid ? key : key - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
     kvq_copy16(stage + plan.key_at + next, next_valid ? key + next : key - plan.token * KVQ_ROW_BYTES,
                next_valid ? 16 : 0);
@@ -257,19 +270,15 @@ __device__ __forceinline__ void kvq_copy16_whole(uint shared, const void* global
 }
 
 __device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, uint stage, uint i) {
-    unsigned long long step = (unsigned long long)i * KVQ_WARPS * KVQ_TILE;
-    const uchar* key = plan.key + step * KVQ_ROW_BYTES;
-    const uchar* value = plan.value + step * KVQ_ROW_BYTES;
-    const kvq_scale* scales = plan.scales + step * KVQ_GROUPS;
-    const uint next = 8 * KVQ_ROW_BYTES;
-    kvq_copy16_whole(stage + plan.key_at, key);
-    kvq_copy16_whole(stage + plan.key_at + next, key + next);
-    kvq_copy16_whole(stage + plan.value_at, value);
-    kvq_copy16_whole(stage + plan.value_next_at, value + next);
+    kvq_tile_sources from = kvq_sources(plan, i);
+    kvq_copy16_whole(stage + plan.key_at, from.key);
+    kvq_copy16_whole(stage + plan.key_at + KVQ_NEXT_ROWS, from.key + KVQ_NEXT_ROWS);
+    kvq_copy16_whole(stage + plan.value_at, from.value);
+    kvq_copy16_whole(stage + plan.value_next_at, from.value + KVQ_NEXT_ROWS);
 #if KVQ_SCALE_HALF
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(stage + plan.scale_at), "l"(scales) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(stage + plan.scale_at), "l"(from.scales) : "memory");
 #else
-    kvq_copy16_whole(stage + plan.scale_at, scales);
+    kvq_copy16_whole(stage + plan.scale_at, from.scales);
 #endif
 }
 

@@ -18,10 +18,9 @@ adding the window's, so the window needs no per-step rotation.
 The partials come from kernels/decode_attention.cu (CUDA, through NVRTC) where the shape fits it (head_dim
 128, int4 K and V in scale groups of 32, at most 4 query heads per KV head: Llama-3-8B's, `kvq bench
 kernels`' shapes), at every sequence length; from the Triton _partial_kernel otherwise. Its fragment layouts
-turn codes into
-tensor-core operands in registers, which Triton's layouts do not allow (see its header), and each of its
-programs maps its own query (an mma per warp on the map in fragment_order), which spares the step the map
-kernel: 1.5-1.9 us per step at 32K tokens on the H100 (RESULTS.md item 39). The Triton step maps the query
+turn codes into tensor-core operands in registers, which Triton's layouts do not allow (see its header), and
+each of its programs maps its own query (an mma per warp on the map in fragment_order), which spares the step
+the map kernel: 1.5-1.9 us per step at 32K tokens on the H100 (RESULTS.md item 39). The Triton step maps the query
 once, in its own kernel (inside every Triton program the d x d product cost more GPU time than it saved host
 time).
 
@@ -391,10 +390,11 @@ if triton is not None:
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
-# The CUDA partial kernel serves every sequence length its shapes fit: with three programs per SM it is the
-# faster from 1K to 128K tokens on the H100 (RESULTS.md item 42; us per step against Triton's: 7.1 against
-# 9.0-9.4 at 1K, 9.3-9.4 against 9.8-9.9 at 4K, 11.4-12.1 against 11.9-12.7 at 8K, 13.6-13.7 against
-# 15.6-15.9 at 12K). Item 39's Triton window from 3K to 12K went with the four-program build.
+# The CUDA partial kernel serves every sequence length its shapes fit: with three programs per SM its step was
+# the faster at every length timed against Triton's on the H100 (RESULTS.md item 42, 1K-12K; us per step: 7.1
+# against 9.0-9.5 at 1K, 9.3-9.4 against 9.8-10.0 at 4K, 11.4-12.1 against 11.9-12.8 at 8K, 13.6-13.7
+# against 15.6-16.1 at 12K; from 12K on it was already the faster with four programs per SM, item 39).
+# Item 39's Triton window from 3K to 12K went with the four-program build.
 CUDA_HEAD_DIM = 128  # kernels/decode_attention.cu's KVQ_D
 
 
