@@ -1,15 +1,19 @@
 """The `kvq` command. Thin: parse, call the library, print."""
 
-import json
 import sys
+from collections import Counter
 from pathlib import Path
 
-import click
 import typer
 from tqdm import tqdm
 
 from kvq.errors import KvqError
 from kvq.quant.spec import parse_scalar
+
+try:  # typer raises its own click fork's usage errors from 0.2x on, click's before
+    from typer import TyperException as UsageError
+except ImportError:
+    from click import ClickException as UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="KV-cache quantization research harness.")
@@ -45,7 +49,7 @@ def ppl(
     quant: str = typer.Option("srft", help="quantizer name (kvq list)"),
     bits: int = typer.Option(4),
     granularity: str = typer.Option("per_token", help="per_token|per_channel|per_group|per_channel_group"),
-    group_size: int = typer.Option(32),
+    group_size: int = typer.Option(32, min=1),
     asymmetric: bool = typer.Option(False, help="asymmetric (zero point) instead of symmetric"),
     scale_dtype: str = typer.Option("float32"),
     seed: int = typer.Option(0),
@@ -53,9 +57,9 @@ def ppl(
     calibration: Path | None = typer.Option(None, help="artifact from `kvq calibrate`"),
     mode: str = typer.Option("hook", help="hook (k_proj/v_proj outputs) or cache (post-RoPE at cache write)"),
     corpus: str = typer.Option("shakespeare", help="shakespeare, a local .txt file/dir, or hf:<dataset>"),
-    seq_len: int = typer.Option(256),
-    n_windows: int = typer.Option(8),
-    batch_size: int = typer.Option(2),
+    seq_len: int = typer.Option(256, min=2),
+    n_windows: int = typer.Option(8, min=1),
+    batch_size: int = typer.Option(2, min=1),
     device: str = device_option(),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
 ):
@@ -65,6 +69,7 @@ def ppl(
     from kvq.experiment import DataSpec, eval_windows, make_bank, measure
     from kvq.provenance import provenance
     from kvq.quant import QuantSpec
+    from kvq.store import write_json_atomic
 
     spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option),
                      str(calibration) if calibration else None)
@@ -87,8 +92,7 @@ def ppl(
             "bits_per_element": bits_per_element, "fp": base.to_dict(), "quantized": quantized.to_dict(),
             "dppl": quantized.ppl - base.ppl, **provenance(device),
         }
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(record, indent=2))
+        write_json_atomic(json_out, record)
         typer.echo(f"wrote {json_out}")
 
 
@@ -97,26 +101,22 @@ def sweep(
     config: Path = typer.Argument(..., help="sweep YAML, e.g. configs/qwen_4bit.yaml"),
     runs_dir: Path = typer.Option(Path("runs"), help="cells go to <runs-dir>/<sweep name>/"),
     results: Path = typer.Option(Path("RESULTS.md"), help="ledger the finished sweep appends to"),
-    dry_run: bool = typer.Option(False, help="list the cells and exit"),
-    force: bool = typer.Option(False, help="rerun finished cells"),
+    status: bool = typer.Option(False, "--status", "--dry-run",
+                                help="list the spec's cells as current/todo/stale, and records not in it; run nothing"),
+    force: bool = typer.Option(False, help="recompute every cell and fp baseline"),
     device: str = device_option(),
 ):
     """Run every cell of a YAML sweep (resumable), then plot and append a finding to RESULTS.md."""
     from kvq.ledger import append_finding
     from kvq.plot import plot_dppl_vs_bits
     from kvq.report import sweep_finding
-    from kvq.results import load
-    from kvq.sweep import cell_path, is_finished, run_sweep, sweep_dir
-    from kvq.sweep_spec import expand, load_sweep
+    from kvq.results import load_files
+    from kvq.sweep import run_sweep, sweep_dir, sweep_status
+    from kvq.sweep_spec import load_sweep
 
     spec = load_sweep(config)
-    if dry_run:
-        cells = expand(spec)
-        directory = sweep_dir(runs_dir, spec)
-        for cell in cells:
-            state = "done" if is_finished(cell_path(directory, cell)) else "todo"
-            typer.echo(f"{cell.id}  {state}  {cell.model}  seed={cell.quant.seed}  {cell.quant.label()}")
-        typer.echo(f"{len(cells)} cells")
+    if status:
+        _print_status(sweep_status(spec, runs_dir, device), sweep_dir(runs_dir, spec))
         return
     try:
         outcome = run_sweep(spec, runs_dir, force, device,
@@ -125,13 +125,30 @@ def sweep(
     except KeyboardInterrupt:
         typer.echo("kvq: sweep interrupted; finished cells are saved, rerun the same command to resume", err=True)
         sys.exit(130)
-    typer.echo(f"{len(outcome.ran)} cells ran, {len(outcome.skipped)} already done -> {outcome.directory}")
-    frame = load(outcome.directory)
+    others = f", {len(outcome.by_others)} finished by a concurrent run" if outcome.by_others else ""
+    typer.echo(f"{len(outcome.ran)} cells ran, {len(outcome.skipped)} already done{others} -> {outcome.directory}")
+    if outcome.removed_temporaries:
+        typer.echo(f"removed {len(outcome.removed_temporaries)} staging files left by killed writers")
+    frame = load_files(outcome.paths)
     figures = plot_dppl_vs_bits(frame, outcome.directory / "figures")
-    title, body = sweep_finding(spec, frame, outcome.directory, figures, "kvq " + " ".join(sys.argv[1:]))
-    number = append_finding(results, title, body)
-    typer.echo(f"appended finding {number} to {results}")
-    typer.echo(body)
+    finding = sweep_finding(spec, frame, outcome.directory, figures, "kvq " + " ".join(sys.argv[1:]))
+    appended = append_finding(results, finding.title, finding.body, finding.key)
+    if not appended.new:
+        typer.echo(f"finding unchanged: {results} item {appended.number} already reports these cells; "
+                   "appended nothing")
+        return
+    typer.echo(f"appended finding {appended.number} to {results}")
+    typer.echo(finding.body)
+
+
+def _print_status(states, directory: Path) -> None:
+    for s in states:
+        what = f"{s.cell.model}  seed={s.cell.quant.seed}  {s.cell.quant.label()}" if s.cell else "-"
+        typer.echo(f"{s.cell_id}  {s.state:7s}  {what}" + (f"  ({s.detail})" if s.state == "stale" else ""))
+    counts = Counter(s.state for s in states if s.cell is not None)
+    others = sum(s.cell is None for s in states)
+    typer.echo(f"{counts.total()} cells: {counts['current']} current, {counts['todo']} todo, {counts['stale']} stale; "
+               f"{others} other records in {directory} are not in this spec")
 
 
 @app.command()
@@ -252,7 +269,7 @@ def retrieval(
     from kvq.apply import check_mode
     from kvq.ledger import append_finding
     from kvq.longctx import RetrievalSpec
-    from kvq.provenance import git_state
+    from kvq.provenance import describe_source, git_state
     from kvq.quant.spec import parse_spec
     from kvq.retrieval import accuracy_frame, accuracy_table, heatmap, run_retrieval
 
@@ -267,12 +284,12 @@ def retrieval(
     git = git_state()
     body = "\n".join([
         f"Command: `kvq {' '.join(sys.argv[1:])}`",
-        f"Commit: `{git['commit']}`{' (dirty)' if git['dirty'] else ''}; {len(frame)} samples per method is "
+        f"Source: {describe_source(git)}; {len(frame)} samples per method is "
         f"{len(spec.lengths)} lengths x {len(spec.depths)} depths x {samples}; greedy decoding.",
         "", "Accuracy (mean over depths):", "", table, "",
         f"JSON: `{out}/{model}-{task}-*.json`", "Figure: " + ", ".join(f"`{p}`" for p in figures),
     ])
-    number = append_finding(results, f"{task} retrieval on {model}", body)
+    number = append_finding(results, f"{task} retrieval on {model}", body).number
     typer.echo(f"appended finding {number} to {results}")
 
 
@@ -282,7 +299,7 @@ app.add_typer(bench_app, name="bench")
 
 def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, results: Path) -> None:
     from kvq.ledger import append_finding
-    from kvq.provenance import provenance
+    from kvq.provenance import describe_source, provenance
     from kvq.store import write_json_atomic
 
     record = {"bench": kind, "result": result, **provenance(device)}
@@ -292,10 +309,10 @@ def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, r
     git = record["git"]
     body = "\n".join([
         f"Command: `kvq {' '.join(sys.argv[1:])}`",
-        f"Commit: `{git['commit']}`{' (dirty)' if git['dirty'] else ''}; device: {record['device']}; "
+        f"Source: {describe_source(git)}; device: {record['device']}; "
         f"torch {record['versions']['torch']}. Ratios are from this one run.", "", table, "", f"JSON: `{path}`",
     ])
-    number = append_finding(results, f"kvq bench {kind} on {record['device']}", body)
+    number = append_finding(results, f"kvq bench {kind} on {record['device']}", body).number
     typer.echo(f"wrote {path}; appended finding {number} to {results}")
 
 
@@ -350,12 +367,21 @@ def list_names():
 
 def _quiet_libraries() -> None:
     """kvq draws its own progress bars; library warnings would break one-line errors."""
+    import logging
+
     from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     hub_logging.set_verbosity_error()
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+
+
+def _fail(message: str) -> None:
+    """A user error: one line on stderr, exit 2."""
+    typer.echo("kvq: error: " + " ".join(message.split()), err=True)
+    sys.exit(2)
 
 
 def main() -> None:
@@ -363,11 +389,13 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except KvqError as exc:
-        typer.echo(f"kvq: error: {exc}", err=True)
-        sys.exit(2)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (click.Abort, KeyboardInterrupt):
+        _fail(str(exc))
+    except UsageError as exc:  # a missing, unknown or unparsable argument
+        _fail(exc.format_message())
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user named: a fault, shown in full
+            raise
+        _fail(f"{exc.filename2 or exc.filename}: {exc.strerror}")  # filename2: the target of a rename
+    except (typer.Abort, KeyboardInterrupt):
         typer.echo("kvq: interrupted", err=True)
         sys.exit(130)

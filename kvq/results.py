@@ -1,14 +1,20 @@
-"""Loading sweep cells into pandas and summarising over seeds."""
+"""Loading sweep cells into pandas and summarising over seeds.
 
+Seeds are averaged only within one configuration: cells that differ in anything but the seed (data,
+mode, lm-eval settings, any quantizer field) are summarised apart, even when their labels match.
+"""
+
+from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
 
+from kvq.fingerprint import record_digest
 from kvq.quant import QuantSpec
 from kvq.store import read_json
-from kvq.sweep import CELL_FORMAT
 
-SERIES_KEYS = ["model", "mode", "quantizer", "granularity", "series", "label"]
+CELL_FORMAT_PREFIX = "kvq-cell/"  # every format version holds the fields read here
+SERIES_KEYS = ["model", "mode", "quantizer", "granularity", "series", "label", "config"]
 
 
 ACC_SUFFIX = " acc"
@@ -20,6 +26,10 @@ def _lmeval_columns(metrics: dict) -> dict:
         columns[f"{task}{ACC_SUFFIX}"] = info["metrics"].get("acc,none")
         columns[f"{task} fp{ACC_SUFFIX}"] = info["fp_metrics"].get("acc,none")
     return columns
+
+
+def _config_without_seed(config: dict) -> str:
+    return record_digest({**config, "quant": {**config["quant"], "seed": None}})
 
 
 def _row(record: dict, path: Path) -> dict:
@@ -35,12 +45,15 @@ def _row(record: dict, path: Path) -> dict:
         "granularity": granularity,
         "series": f"{quant.quantizer} {granularity}",
         "label": unseeded.label(),
+        "config": _config_without_seed(config),
         "seed": quant.seed,
         "bits_per_element": record["bits_per_element"],
         "fp_ppl": record["metrics"]["fp_ppl"],
         "ppl": record["metrics"]["ppl"],
         "dppl": record["metrics"]["dppl"],
         "calibration_mse_reduction": (record.get("calibration") or {}).get("mse_reduction"),
+        "cell_id": record.get("cell_id"),
+        "measured_with": record.get("measured_with"),
         "commit": record["git"]["commit"],
         "dirty": record["git"]["dirty"],
         "path": str(path),
@@ -49,13 +62,17 @@ def _row(record: dict, path: Path) -> dict:
 
 
 def load(path: str | Path) -> pd.DataFrame:
-    """One row per finished cell under `path` (a sweep folder, a runs/ folder, or one JSON file)."""
+    """One row per cell record under `path` (a sweep folder, a runs/ folder, or one JSON file)."""
     path = Path(path)
-    files = [path] if path.is_file() else sorted(path.rglob("*.json"))
+    return load_files([path] if path.is_file() else sorted(path.rglob("*.json")))
+
+
+def load_files(files: Iterable[Path]) -> pd.DataFrame:
+    """One row per file that holds a cell record (others, such as baselines, are passed over)."""
     rows = []
     for file in files:
         record = read_json(file)
-        if record and record.get("format") == CELL_FORMAT:
+        if record and str(record.get("format", "")).startswith(CELL_FORMAT_PREFIX):
             rows.append(_row(record, file))
     return pd.DataFrame(rows)
 

@@ -1,7 +1,11 @@
-"""Running a sweep: each cell writes one git-tagged JSON; finished cells are skipped on rerun."""
+"""Running a sweep: each cell writes one sealed JSON record; current cells are skipped on rerun.
 
-import hashlib
-import json
+Concurrency: a cell or an fp baseline is computed only while its claim (an exclusive lock in the
+sweep folder) is held. A second run of the same spec passes over the cells another run holds, works
+on the rest, then waits for the held ones and takes over any whose holder died before finishing, so
+no cell is computed twice and none is lost.
+"""
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,33 +14,40 @@ from pathlib import Path
 from kvq import models
 from kvq.calibrate import calibration_summary
 from kvq.experiment import eval_windows, make_bank, measure
+from kvq.fingerprint import sealed
+from kvq.locks import exclusive
 from kvq.ppl import Progress
 from kvq.provenance import provenance
-from kvq.store import read_json, write_json_atomic
+from kvq.records import (
+    CELL_FORMAT,
+    LMEVAL_BASELINE,
+    NOT_RUN,
+    PPL_BASELINE,
+    Baseline,
+    RecordBook,
+    baseline_fingerprint,
+    read_baseline,
+    write_baseline,
+)
+from kvq.store import remove_dead_temporaries, write_json_atomic
 from kvq.sweep_spec import Cell, SweepSpec, expand
 
-CELL_FORMAT = "kvq-cell/1"
+WindowProgress = Callable[[str], Progress]
 
 
 @dataclass
 class SweepOutcome:
     directory: Path
     cells: list[Cell]
+    paths: list[Path]  # the cells' records: a finding reads these and nothing else
     ran: list[str]
-    skipped: list[str]
+    skipped: list[str]  # already current when this run reached them
+    by_others: list[str]  # finished by a concurrent run of the same spec while this one waited
+    removed_temporaries: list[Path]  # staging files of killed writers, cleaned up
 
 
 def sweep_dir(runs_dir: Path, spec: SweepSpec) -> Path:
     return Path(runs_dir) / spec.name
-
-
-def cell_path(directory: Path, cell: Cell) -> Path:
-    return directory / f"{cell.id}.json"
-
-
-def is_finished(path: Path) -> bool:
-    record = read_json(path)
-    return record is not None and record.get("format") == CELL_FORMAT
 
 
 def validate_cells(cells: list[Cell]) -> None:
@@ -48,81 +59,139 @@ def validate_cells(cells: list[Cell]) -> None:
         make_bank(cell.model, configs[cell.model], cell.quant)
 
 
-def _baseline(directory: Path, lm, windows, cell: Cell, progress: Progress | None) -> dict:
-    """fp PPL per (model, data, mode): computed once and stored beside the cells."""
-    key = json.dumps({"model": cell.model, "mode": cell.mode, "data": cell.data.to_dict()}, sort_keys=True)
-    path = directory / "baselines" / f"{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
-    record = read_json(path)
-    if record is None:
-        record = measure(lm, windows, None, cell.mode, cell.data, progress).to_dict()
-        write_json_atomic(path, record)
-    return record
+class _CellRunner:
+    """Measures cells one model at a time, pairing each with its fp baselines."""
 
+    def __init__(self, spec: SweepSpec, book: RecordBook, force: bool, window_progress: WindowProgress | None):
+        self.spec, self.book, self.force = spec, book, force
+        self.progress = window_progress or (lambda _label: None)
+        self.loaded: tuple[str, models.LoadedModel, object] | None = None
+        self.recomputed: set[Path] = set()  # baselines this run measured itself (--force does each once)
 
-def _lmeval_metrics(directory: Path, lm, cell: Cell, bank, device: str) -> dict:
-    """Each lm-eval task of the cell: quantized accuracy and per-sample responses beside the fp run's,
-    the fp run computed once per (model, mode, task settings) and stored with the baselines."""
-    from kvq.lmeval import run_task
-    from kvq.longctx import RetrievalSpec, write_tasks
+    def model(self, cell: Cell) -> tuple[models.LoadedModel, object]:
+        if self.loaded is None or self.loaded[0] != cell.model:
+            self.loaded = None  # one model in memory at a time
+            lm = models.load(cell.model, device=self.book.device)
+            self.loaded = (cell.model, lm, eval_windows(lm, cell.data))
+        return self.loaded[1], self.loaded[2]
 
-    settings = cell.lmeval
-    folder = write_tasks(lm.tokenizer, RetrievalSpec(settings.lengths, settings.depths), models.cache_dir() / "tasks")
-    out = {}
-    for task in cell.lmeval_tasks:
-        key = json.dumps({"model": cell.model, "mode": cell.mode, "task": task, **settings.to_dict()}, sort_keys=True)
-        path = directory / "baselines" / f"lmeval-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
-        fp = read_json(path)
-        if fp is None:
-            fp = run_task(lm, None, cell.mode, task, settings.limit, folder, device)
-            write_json_atomic(path, fp)
-        quantized = run_task(lm, bank, cell.mode, task, settings.limit, folder, device)
-        out[task] = {**quantized, "fp_metrics": fp["metrics"], "fp_samples": fp["samples"]}
-    return out
+    def baseline(self, baseline: Baseline, measure_fp: Callable[[], dict]) -> dict:
+        with exclusive(self.book.claim_path(baseline.path.stem)):
+            record = read_baseline(baseline)
+            if record is None or (self.force and baseline.path not in self.recomputed):
+                record = write_baseline(baseline, measure_fp(), self.book.device)
+                self.recomputed.add(baseline.path)
+        return record
 
-
-def run_sweep(spec: SweepSpec, runs_dir: Path, force: bool = False, device: str = "cpu",
-              cell_progress: Callable[[list], list] | None = None,
-              window_progress: Callable[[str], Progress] | None = None) -> SweepOutcome:
-    cells = expand(spec)
-    validate_cells(cells)
-    directory = sweep_dir(runs_dir, spec)
-    todo = [c for c in cells if force or not is_finished(cell_path(directory, c))]
-    skipped = [c.id for c in cells if c not in todo]
-    ran: list[str] = []
-    loaded: dict[str, tuple] = {}
-    for cell in (cell_progress or list)(todo):
-        if cell.model not in loaded:
-            loaded.clear()  # one model in memory at a time
-            lm = models.load(cell.model, device=device)
-            loaded[cell.model] = (lm, eval_windows(lm, cell.data))
-        lm, windows = loaded[cell.model]
+    def run(self, cell: Cell, force: bool) -> bool:
+        """Measures and writes the cell unless it is current and not forced; True when it ran."""
+        if not force and self.book.staleness(cell) is None:
+            return False
+        lm, windows = self.model(cell)
+        baselines = self.book.baselines(cell)
+        fp = self.baseline(baselines[PPL_BASELINE], lambda: measure(
+            lm, windows, None, cell.mode, cell.data, self.progress("fp baseline")).to_dict())
+        fp_tasks = {task: self.baseline(baselines[LMEVAL_BASELINE + task],
+                                        lambda t=task: self.lmeval(lm, cell, None, t))
+                    for task in cell.lmeval_tasks}
+        if not force and self.book.staleness(cell) is None:  # a recomputed baseline matched the record's
+            return False
         started = time.time()
-        fp = _baseline(directory, lm, windows, cell, window_progress and window_progress("fp baseline"))
         bank = make_bank(cell.model, lm.model.config, cell.quant)
-        quantized = measure(lm, windows, bank, cell.mode, cell.data,
-                            window_progress and window_progress(cell.quant.label()))
+        quantized = measure(lm, windows, bank, cell.mode, cell.data, self.progress(cell.quant.label()))
+        fp_ppl = fp["measurement"]["ppl"]
         record = {
             "format": CELL_FORMAT,
-            "sweep": spec.name,
+            "sweep": self.spec.name,
             "cell_id": cell.id,
             "config": cell.config(),
             "metrics": {
-                "fp_ppl": fp["ppl"],
-                "fp_window_ppl": fp["window_ppl"],
+                "fp_ppl": fp_ppl,
+                "fp_window_ppl": fp["measurement"]["window_ppl"],
                 "ppl": quantized.ppl,
                 "window_ppl": quantized.window_ppl,
-                "dppl": quantized.ppl - fp["ppl"],
+                "dppl": quantized.ppl - fp_ppl,
                 "tokens": quantized.tokens,
             },
             "bits_per_element": bank.measured_bits_per_element(),
             "stated_bits_per_element": bank.bits_per_element(cell.data.seq_len),
             "calibration": calibration_summary(cell.quant.calibration) if cell.quant.calibration else None,
+            "measured_with": self.book.context(cell),
+            "baselines": {PPL_BASELINE: baseline_fingerprint(fp),
+                          **{LMEVAL_BASELINE + t: baseline_fingerprint(b) for t, b in fp_tasks.items()}},
             "wall_time_s": round(time.time() - started, 3),
-            **provenance(device),
+            **provenance(self.book.device),
         }
         if cell.lmeval_tasks:
-            record["metrics"]["lmeval"] = _lmeval_metrics(directory, lm, cell, make_bank(cell.model, lm.model.config,
-                                                                                     cell.quant), device)
-        write_json_atomic(cell_path(directory, cell), record)
-        ran.append(cell.id)
-    return SweepOutcome(directory, cells, ran, skipped)
+            task_bank = make_bank(cell.model, lm.model.config, cell.quant)
+            record["metrics"]["lmeval"] = {}
+            for task, fp_task in fp_tasks.items():
+                measured = fp_task["measurement"]
+                record["metrics"]["lmeval"][task] = {**self.lmeval(lm, cell, task_bank, task),
+                                                     "fp_metrics": measured["metrics"],
+                                                     "fp_samples": measured["samples"]}
+        write_json_atomic(self.book.cell_path(cell), sealed(record))
+        return True
+
+    def lmeval(self, lm: models.LoadedModel, cell: Cell, bank, task: str) -> dict:
+        """One lm-eval task under the bank (None: fp): its metrics and per-sample responses."""
+        from kvq.lmeval import run_task
+        from kvq.longctx import RetrievalSpec, write_tasks
+
+        settings = cell.lmeval
+        retrieval = RetrievalSpec(settings.lengths, settings.depths)
+        folder = write_tasks(lm.tokenizer, retrieval, models.cache_dir() / "tasks")
+        return run_task(lm, bank, cell.mode, task, settings.limit, folder, self.book.device)
+
+
+def run_sweep(spec: SweepSpec, runs_dir: Path, force: bool = False, device: str = "cpu",
+              cell_progress: Callable[[list], list] | None = None,
+              window_progress: WindowProgress | None = None) -> SweepOutcome:
+    cells = expand(spec)
+    validate_cells(cells)
+    directory = sweep_dir(runs_dir, spec)
+    removed = remove_dead_temporaries(directory) if directory.is_dir() else []
+    book = RecordBook(directory, device)
+    todo = [c for c in cells if force or book.staleness(c) is not None]
+    skipped = [c.id for c in cells if c not in todo]
+    runner = _CellRunner(spec, book, force, window_progress)
+    ran: list[str] = []
+    held_elsewhere: list[Cell] = []
+    for cell in (cell_progress or list)(todo):
+        with exclusive(book.claim_path(cell.id), wait=False) as claimed:
+            if not claimed:
+                held_elsewhere.append(cell)
+            elif runner.run(cell, force):
+                ran.append(cell.id)
+            else:
+                skipped.append(cell.id)
+    by_others: list[str] = []
+    for cell in held_elsewhere:
+        with exclusive(book.claim_path(cell.id)):  # waits for the holder; its death frees the claim too
+            (ran if runner.run(cell, force=False) else by_others).append(cell.id)
+    return SweepOutcome(directory, cells, [book.cell_path(c) for c in cells], ran, skipped, by_others, removed)
+
+
+@dataclass(frozen=True)
+class CellState:
+    cell_id: str
+    state: str  # "current", "todo" or "stale"
+    detail: str
+    cell: Cell | None  # None for a record on disk that the spec no longer expands to
+
+
+def sweep_status(spec: SweepSpec, runs_dir: Path, device: str = "cpu") -> list[CellState]:
+    """Every cell of the spec as current / todo / stale (with why), then every other cell record in
+    the sweep folder (stale: not in the spec, so never in its findings). Loads no model."""
+    cells = expand(spec)
+    book = RecordBook(sweep_dir(runs_dir, spec), device)
+    states = []
+    for cell in cells:
+        why = book.staleness(cell)
+        state = "current" if why is None else "todo" if why == NOT_RUN else "stale"
+        states.append(CellState(cell.id, state, why or "", cell))
+    known = {c.id for c in cells}
+    for path in sorted(book.directory.glob("*.json")):
+        if path.stem not in known:
+            states.append(CellState(path.stem, "stale", "not in the spec (kept on disk, never in a finding)", None))
+    return states

@@ -10,7 +10,7 @@ from typing import Any
 from kvq.apply import MODES
 from kvq.errors import KvqError
 from kvq.experiment import DataSpec
-from kvq.quant import QUANTIZERS, SCALAR_FIELDS, QuantSpec, is_seeded, used_fields
+from kvq.quant import QUANTIZERS, SCALAR_FIELDS, QuantSpec, check_options, is_seeded, used_fields
 from kvq.quant.scalar import GRANULARITIES, SCALE_DTYPES
 from kvq.yamlspec import LocatedMapping, load_located
 
@@ -155,6 +155,11 @@ def _grid(fields_: _Fields) -> Grid:
     _check_members(fields_, "quantizer", grid.quantizer, QUANTIZERS.names())
     _check_members(fields_, "granularity", grid.granularity, GRANULARITIES)
     _check_members(fields_, "scale_dtype", grid.scale_dtype, list(SCALE_DTYPES))
+    for quantizer, options in itertools.product(grid.quantizer, grid.options):
+        try:
+            check_options(QuantSpec(quantizer, options=options))
+        except KvqError as exc:
+            fields_.fail("options", str(exc))
     for bits in grid.bits:
         if not 2 <= bits <= 8:
             fields_.fail("bits", f"bits must be in 2..8, got {bits}")

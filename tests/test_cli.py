@@ -1,28 +1,4 @@
-import pytest
 from conftest import requires_models, run_kvq
-
-
-@pytest.mark.parametrize(
-    "args,fragment",
-    [
-        (["--bits", "1"], "bits"),
-        (["--granularity", "per_group", "--group-size", "48"], "group_size 48"),
-        (["--quant", "nope"], "unknown quantizer"),
-        (["--mode", "both"], "mode"),
-    ],
-)
-@requires_models
-def test_bad_input_is_one_line_exit_2(args, fragment):
-    done = run_kvq("ppl", *args)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in done.stderr
-
-
-def test_unknown_model_lists_builtins():
-    done = run_kvq("ppl", "--model", "/no/such/model/dir")
-    assert done.returncode == 2
-    assert "smollm2-135m" in done.stderr and "Traceback" not in done.stderr
 
 
 @requires_models

@@ -1,7 +1,7 @@
 """Quantizer registry: YAML/CLI names -> factories building one quantizer per (layer, K|V) site."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
@@ -19,11 +19,15 @@ from kvq.rotations import ROTATIONS, Composed, MatrixRotation, build_rotation
 SCALAR_FIELDS = frozenset({"bits", "granularity", "group_size", "symmetric", "scale_dtype"})
 
 
+OptionKinds = dict[str, type | tuple[type, ...]]
+
+
 @dataclass(frozen=True)
 class QuantizerEntry:
     build: Callable[[QuantSpec, Site], Quantizer]
     seeded: bool  # False: the seed changes nothing, so a sweep runs one seed only
     uses: frozenset[str] = SCALAR_FIELDS  # the QuantSpec scalar fields it reads; other knobs are spec.options
+    options: OptionKinds = field(default_factory=dict)  # the spec.options keys it reads, with their types
 
 
 QUANTIZERS: Registry[QuantizerEntry] = Registry("quantizer")
@@ -49,16 +53,18 @@ for _name in ROTATIONS.names():
     QUANTIZERS.register(_name)(_rotated_scalar(_name))
 
 
-def options_of(spec: QuantSpec, allowed: dict[str, type]) -> dict:
-    """spec.options checked against a method's knobs, so a typo is an error rather than a default."""
+def check_options(spec: QuantSpec) -> None:
+    """spec.options against the quantizer's declared knobs, so a typo or a knob the method does not
+    have is an error rather than a silent default (and a cell id that changes nothing)."""
+    allowed = QUANTIZERS.get(spec.quantizer).options
     for key, value in spec.options.items():
         if key not in allowed:
-            raise KvqError(f"{spec.quantizer} has no option {key!r}; options: {', '.join(allowed)}")
+            known = f"options: {', '.join(allowed)}" if allowed else "it takes no options"
+            raise KvqError(f"{spec.quantizer} has no option {key!r}; {known}")
         kinds = allowed[key] if isinstance(allowed[key], tuple) else (allowed[key],)
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             names = " or ".join(k.__name__ for k in kinds)
             raise KvqError(f"{spec.quantizer} option {key!r} must be {names}, got {value!r}")
-    return dict(spec.options)
 
 
 def used_fields(name: str) -> frozenset[str]:
@@ -66,53 +72,55 @@ def used_fields(name: str) -> frozenset[str]:
 
 
 def _hqmq(spec: QuantSpec, site: Site) -> Quantizer:
-    options = options_of(spec, {"S": int, "r": int, "outlier_c": (int, float), "index_bits": str})
-    return HQMQ(options.get("S", 24), options.get("r", 4), options.get("outlier_c"), site.seed(spec.seed),
-                options.get("index_bits", "fractional"))
+    knobs = spec.options
+    return HQMQ(knobs.get("S", 24), knobs.get("r", 4), knobs.get("outlier_c"), site.seed(spec.seed),
+                knobs.get("index_bits", "fractional"))
 
 
-QUANTIZERS.register("hqmq")(QuantizerEntry(_hqmq, seeded=True, uses=frozenset()))
+QUANTIZERS.register("hqmq")(QuantizerEntry(_hqmq, seeded=True, uses=frozenset(), options={
+    "S": int, "r": int, "outlier_c": (int, float), "index_bits": str}))
 
 
 def _kivi(spec: QuantSpec, site: Site) -> Quantizer:
-    options = options_of(spec, {"residual": int})
-    return KIVI(site.role, spec.bits, spec.group_size, options.get("residual", 128))
+    return KIVI(site.role, spec.bits, spec.group_size, spec.options.get("residual", 128))
 
 
-QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False, uses=frozenset({"bits", "group_size"})))
+QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False, uses=frozenset({"bits", "group_size"}),
+                                           options={"residual": int}))
 
 
 def _turbo(spec: QuantSpec, site: Site) -> Quantizer:
-    options = options_of(spec, {"rotation": str, "qjl_residual": bool})
     seed = site.seed(spec.seed)
-    rotation = build_rotation(options.get("rotation", "srft"), site.d, seed)
-    return TurboQuant(rotation, spec.bits, options.get("qjl_residual", False), seed)
+    rotation = build_rotation(spec.options.get("rotation", "srft"), site.d, seed)
+    return TurboQuant(rotation, spec.bits, spec.options.get("qjl_residual", False), seed)
 
 
-QUANTIZERS.register("turbo")(QuantizerEntry(_turbo, seeded=True, uses=frozenset({"bits"})))
+QUANTIZERS.register("turbo")(QuantizerEntry(_turbo, seeded=True, uses=frozenset({"bits"}),
+                                            options={"rotation": str, "qjl_residual": bool}))
 
 
 def _polar(spec: QuantSpec, site: Site) -> Quantizer:
-    options = options_of(spec, {"upper_bits": int, "levels": int, "rotation": str})
-    rotation = build_rotation(options.get("rotation", "srft"), site.d, site.seed(spec.seed))
-    return PolarQuant(rotation, spec.bits, options.get("upper_bits", 2), options.get("levels", 4))
+    knobs = spec.options
+    rotation = build_rotation(knobs.get("rotation", "srft"), site.d, site.seed(spec.seed))
+    return PolarQuant(rotation, spec.bits, knobs.get("upper_bits", 2), knobs.get("levels", 4))
 
 
-QUANTIZERS.register("polar")(QuantizerEntry(_polar, seeded=True, uses=frozenset({"bits"})))
+QUANTIZERS.register("polar")(QuantizerEntry(_polar, seeded=True, uses=frozenset({"bits"}),
+                                            options={"upper_bits": int, "levels": int, "rotation": str}))
 
 
 def _qjl(spec: QuantSpec, site: Site) -> Quantizer:
     """Keys: QJL sketch with m = options.m rows (default 2 d); values: the spec's scalar quantizer."""
-    options = options_of(spec, {"m": int})
     if site.role == "k":
-        return QJLKeys(site.d, options.get("m", 2 * site.d), site.seed(spec.seed))
+        return QJLKeys(site.d, spec.options.get("m", 2 * site.d), site.seed(spec.seed))
     return scalar_from_spec(spec)
 
 
-QUANTIZERS.register("qjl")(QuantizerEntry(_qjl, seeded=True))
+QUANTIZERS.register("qjl")(QuantizerEntry(_qjl, seeded=True, options={"m": int}))
 
 
 def build_quantizer(spec: QuantSpec, site: Site) -> Quantizer:
+    check_options(spec)
     return QUANTIZERS.get(spec.quantizer).build(spec, site)
 
 
@@ -123,5 +131,5 @@ def is_seeded(spec: QuantSpec) -> bool:
 
 __all__ = [
     "QUANTIZERS", "Learned", "Packed", "QuantSpec", "Quantizer", "QuantizerEntry", "Site", "build_quantizer",
-    "is_seeded", "options_of", "scalar_from_spec", "used_fields",
+    "check_options", "is_seeded", "scalar_from_spec", "used_fields",
 ]

@@ -1,0 +1,90 @@
+"""Digests of what a measured number depends on beyond its config, and of records themselves.
+
+- `code_version`: the kvq sources on the measuring path (every module but the ones that only parse,
+  print, plot or store) and the kernel sources. A new module is on the path until listed here as
+  presentation, so an unlisted change can only make results stale, never silently current.
+- `corpus_digest`: the text of a corpus, so an edited corpus file is a different baseline.
+- `file_digest`: a calibration artifact's bytes.
+- `record_digest`: a JSON record's content, so a record edited by hand no longer verifies.
+"""
+
+import hashlib
+import json
+from functools import cache
+from pathlib import Path
+
+from kvq.provenance import PACKAGE_DIR, versions
+
+# Modules that cannot change a measured number: they parse specs, print, plot, lock or store.
+PRESENTATION_MODULES = frozenset({
+    "__main__.py", "cli.py", "errors.py", "fingerprint.py", "ledger.py", "locks.py", "plot.py",
+    "provenance.py", "report.py", "results.py", "store.py", "yamlspec.py",
+})
+DIGEST_CHARS = 16
+
+
+def _sha(*chunks: bytes) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(len(chunk).to_bytes(8, "little"))
+        h.update(chunk)
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+def _measuring_files() -> list[Path]:
+    from kvq.kernels.source import KERNEL_DIR
+
+    files = [p for p in PACKAGE_DIR.rglob("*.py")
+             if p.relative_to(PACKAGE_DIR).as_posix() not in PRESENTATION_MODULES]
+    if KERNEL_DIR.is_dir():
+        files += [p for p in KERNEL_DIR.rglob("*") if p.is_file()]
+    return sorted(files)
+
+
+@cache
+def code_version() -> str:
+    """Digest of the measuring path's source files (names and bytes); fixed for a process's life."""
+    chunks = []
+    for path in _measuring_files():
+        chunks += [path.relative_to(PACKAGE_DIR.parent).as_posix().encode(), path.read_bytes()]
+    return _sha(*chunks)
+
+
+def device_kind(device: str) -> str:
+    """'cuda:1' -> 'cuda': the kind of device shapes numbers, not which card of it."""
+    return device.split(":", 1)[0]
+
+
+def measuring_context(device: str) -> dict[str, str | None]:
+    """What a number measured now depends on besides its config and data."""
+    installed = versions()
+    return {"code": code_version(), "torch": installed["torch"], "transformers": installed["transformers"],
+            "device": device_kind(device)}
+
+
+def corpus_digest(corpus: str) -> str:
+    from kvq.data import documents
+
+    return _sha(*(doc.encode() for doc in documents(corpus)))
+
+
+def file_digest(path: str | Path) -> str:
+    return _sha(Path(path).read_bytes())
+
+
+def record_digest(record: dict) -> str:
+    """Digest of a record's content, its own 'digest' field left out."""
+    body = {k: v for k, v in record.items() if k != "digest"}
+    return _sha(json.dumps(body, sort_keys=True).encode())
+
+
+def verified(record: dict | None) -> dict | None:
+    """The record if it carries its own correct digest, else None."""
+    if record is None or record.get("digest") != record_digest(record):
+        return None
+    return record
+
+
+def sealed(record: dict) -> dict:
+    """The record with its digest added."""
+    return {**record, "digest": record_digest(record)}

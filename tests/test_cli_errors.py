@@ -1,0 +1,90 @@
+"""Every user error through the real CLI: one `kvq: error:` line naming the argument or field, exit 2,
+no traceback, nothing written."""
+
+import pytest
+from conftest import requires_models, run_kvq
+
+SPEC = "name: t\nmodels: [smollm2-135m]\ndata: {seq_len: 32, n_windows: 1}\ngrid:\n  quantizer: [int]\n"
+BOMB = "\n".join(
+    ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    + [f"{n}: &{n} [" + ", ".join([f"*{p}"] * 9) + "]" for p, n in zip("abcdefgh", "bcdefghi", strict=True)]
+) + "\n" + SPEC
+INPUTS = {
+    "binary.yaml": SPEC + "  options: [{x: !!binary aGVsbG8=}]\n",
+    "listkey.yaml": SPEC + "[a, b]: 1\n",
+    "pyname.yaml": SPEC.replace("name: t", "name: !!python/name:os.system t"),
+    "duplicate.yaml": SPEC + "mode: hook\nmode: cache\n",
+    "bomb.yaml": BOMB,
+    "int-option.yaml": SPEC + "  options: [{S: 24}]\n",
+    "srft-option.yaml": SPEC.replace("[int]", "[srft]") + "  options: [{rotation: srht}]\n",
+    "qjl-option.yaml": SPEC.replace("[int]", "[qjl]") + "  options: [{m: 64, residual: 8}]\n",
+    "seq.yaml": SPEC.replace("seq_len: 32", "seq_len: 1"),
+    "not-yaml.yaml": "name: t\nmodels: [a\n",
+    "corpus.bin": bytes(range(256)) * 64,
+}
+NO_MODEL = [
+    (["sweep"], "Missing argument 'config'"),
+    (["sweep", "--bogus", "x"], "No such option: --bogus"),
+    (["frobnicate"], "No such command 'frobnicate'"),
+    (["ppl", "--bits", "four"], "'--bits'"),
+    (["ppl", "--batch-size", "0"], "'--batch-size'"),
+    (["ppl", "--seq-len", "1"], "'--seq-len'"),
+    (["ppl", "--device", "tpu"], "--device must be"),
+    (["sweep", "missing.yaml"], "cannot read missing.yaml"),
+    (["sweep", "binary.yaml"], "binary.yaml:6: field 'grid.options[0].x': YAML tag !!binary"),
+    (["sweep", "listkey.yaml"], "listkey.yaml:6: keys must be plain strings"),
+    (["sweep", "pyname.yaml"], "pyname.yaml:1: field 'name': YAML tag !!python/name"),
+    (["sweep", "duplicate.yaml"], "duplicate.yaml:7: field 'mode': duplicate key"),
+    (["sweep", "bomb.yaml"], "expands to more than"),
+    (["sweep", "int-option.yaml"], "field 'grid.options': int has no option 'S'"),
+    (["sweep", "srft-option.yaml"], "field 'grid.options': srft has no option 'rotation'"),
+    (["sweep", "qjl-option.yaml"], "field 'grid.options': qjl has no option 'residual'"),
+    (["sweep", "seq.yaml"], "field 'data.seq_len': too small"),
+    (["sweep", "not-yaml.yaml"], "invalid YAML"),
+    (["plot", "no-such-dir"], "no finished cells under no-such-dir"),
+    (["ppl", "--model", "/no/such/model/dir"], "built-in models: smollm2-135m"),
+]
+WITH_MODEL = [
+    (["ppl", "--bits", "1"], "bits"),
+    (["ppl", "--granularity", "per_group", "--group-size", "48"], "group_size 48"),
+    (["ppl", "--quant", "nope"], "unknown quantizer"),
+    (["ppl", "--mode", "both"], "mode"),
+    (["ppl", "--quant", "int", "--option", "S=24"], "int has no option 'S'"),
+    (["ppl", "--quant", "identity", "--option", "rotation=srft"], "identity has no option 'rotation'"),
+    (["ppl", "--quant", "srht", "--option", "m=3"], "srht has no option 'm'"),
+    (["ppl", "--corpus", "corpus.bin", "--n-windows", "1", "--seq-len", "32"], "corpus file corpus.bin is not UTF-8"),
+    (["lmeval", "--quant", "int:4", "--tasks", "no_such_task", "--limit", "1"], "unknown lm-eval task"),
+]
+
+
+def _bad_input(tmp_path, args, fragment):
+    for name, content in INPUTS.items():
+        path = tmp_path / name
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    done = run_kvq(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvq: error: "), done.stderr
+    assert fragment in lines[0] and "Traceback" not in done.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "a failed command wrote files"
+
+
+@pytest.mark.parametrize("args,fragment", NO_MODEL)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, fragment):
+    _bad_input(tmp_path, args, fragment)
+
+
+@pytest.fixture(scope="module")
+def converted_model():
+    """The one-time GGUF conversion (a cache fill with its own progress bar) happens here, not inside
+    a command whose stderr is under test."""
+    from kvq import models
+
+    models.resolve("smollm2-135m")
+
+
+@requires_models
+@pytest.mark.parametrize("args,fragment", WITH_MODEL)
+def test_bad_input_checked_against_the_model(tmp_path, converted_model, args, fragment):
+    _bad_input(tmp_path, args, fragment)
