@@ -167,3 +167,22 @@ class Composed(Rotation):
 
     def inverse(self, y):
         return self.first.inverse(self.second.inverse(y))
+
+
+@lru_cache(maxsize=64)
+def haar_matrix(d: int, seed: int) -> torch.Tensor:
+    """A Haar-random (uniform) d x d orthogonal matrix: the QR factor of a seeded Gaussian matrix with
+    R's diagonal signs folded into Q, which makes the distribution exactly uniform (Mezzadri 2007)."""
+    gaussian = torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+@ROTATIONS.register("haar")
+class Haar(MatrixRotation):
+    """Uniformly random rotation, TurboQuant's Pi (Zandieh et al. 2025, Alg. 1): a dense d x d
+    matrix, O(d^2) per vector where SRFT/SRHT take O(d log d)."""
+
+    def __init__(self, d: int, seed: int = 0):
+        super().__init__(haar_matrix(d, seed))
+        self.seed = seed

@@ -17,7 +17,7 @@ def reference_srft_matrix(d: int, signs: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("name", ["srft", "srht", "identity"])
+@pytest.mark.parametrize("name", ["srft", "srht", "identity", "haar"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_orthonormal(name, d):
     rotation = build_rotation(name, d, seed=3)
@@ -62,3 +62,13 @@ def test_any_leading_shape():
     rotation = SRHT(64, seed=0)
     x = torch.randn(2, 3, 5, 64)
     assert torch.allclose(rotation.inverse(rotation.forward(x)), x, atol=1e-5)
+
+
+def test_haar_rotation_is_uniform():
+    """Uniform over O(d): each entry has mean 0 and second moment 1/d. QR without the sign fold gives a
+    positive diagonal bias (E[R_11] > 0), which this catches."""
+    d, seeds = 16, 4000
+    corner = torch.tensor([build_rotation("haar", d, seed).matrix()[0, 0] for seed in range(seeds)],
+                          dtype=torch.float64)
+    assert abs(float(corner.mean())) < 4 * float(corner.std()) / seeds**0.5
+    assert float((corner**2).mean()) == pytest.approx(1 / d, rel=0.08)

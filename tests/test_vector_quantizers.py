@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from kvq.quant import QuantSpec, Site, build_quantizer
+from kvq.quant.codebooks import lloyd_max_gaussian
 from kvq.quant.qjl import QJLKeys
-from kvq.quant.turbo import lloyd_max_gaussian
 
 
 def quantizer(name, bits=4, role="k", d=64, **options):
@@ -34,7 +34,7 @@ def test_lloyd_max_known_levels():
     assert torch.allclose(lloyd_max_gaussian(2), torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104]), atol=1e-3)
 
 
-@pytest.mark.parametrize("name,options", [("turbo", {}), ("turbo", {"qjl_residual": True}), ("kivi", {"residual": 8})])
+@pytest.mark.parametrize("name,options", [("turbo", {}), ("turbo", {"variant": "prod"}), ("kivi", {"residual": 8})])
 @pytest.mark.parametrize("role", ["k", "v"])
 def test_mse_decreases_with_bits_and_bits_are_exact(name, options, role):
     x = torch.randn(2, 2, 72, 64)

@@ -90,13 +90,18 @@ QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False, uses=frozenset({
 
 
 def _turbo(spec: QuantSpec, site: Site) -> Quantizer:
+    """variant mse (Alg. 1) everywhere, or prod (Alg. 2) on keys with mse on values."""
+    variant = spec.options.get("variant", "mse")
+    if variant not in TURBO_VARIANTS:
+        raise KvqError(f"turbo option 'variant' must be one of {', '.join(TURBO_VARIANTS)}, got {variant!r}")
     seed = site.seed(spec.seed)
     rotation = build_rotation(spec.options.get("rotation", "srft"), site.d, seed)
-    return TurboQuant(rotation, spec.bits, spec.options.get("qjl_residual", False), seed)
+    return TurboQuant(rotation, spec.bits, prod=variant == "prod" and site.role == "k", seed=seed)
 
 
+TURBO_VARIANTS = ("mse", "prod")
 QUANTIZERS.register("turbo")(QuantizerEntry(_turbo, seeded=True, uses=frozenset({"bits"}),
-                                            options={"rotation": str, "qjl_residual": bool}))
+                                            options={"rotation": str, "variant": str}))
 
 
 def _polar(spec: QuantSpec, site: Site) -> Quantizer:
@@ -112,11 +117,12 @@ QUANTIZERS.register("polar")(QuantizerEntry(_polar, seeded=True, uses=frozenset(
 def _qjl(spec: QuantSpec, site: Site) -> Quantizer:
     """Keys: QJL sketch with m = options.m rows (default 2 d); values: the spec's scalar quantizer."""
     if site.role == "k":
-        return QJLKeys(site.d, spec.options.get("m", 2 * site.d), site.seed(spec.seed))
+        return QJLKeys(site.d, spec.options.get("m", 2 * site.d), site.seed(spec.seed),
+                       spec.options.get("orthogonal", True))
     return scalar_from_spec(spec)
 
 
-QUANTIZERS.register("qjl")(QuantizerEntry(_qjl, seeded=True, options={"m": int}))
+QUANTIZERS.register("qjl")(QuantizerEntry(_qjl, seeded=True, options={"m": int, "orthogonal": bool}))
 
 
 def build_quantizer(spec: QuantSpec, site: Site) -> Quantizer:

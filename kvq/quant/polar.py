@@ -1,20 +1,25 @@
-"""PolarQuant (Han et al. 2025, summarized in the Open-TQ-Metal paper Sec. 2): recursive polar transform.
+"""PolarQuant (Han et al. 2025): recursive polar transform with angle codebooks.
 
-After a random rotation (preconditioning), coordinates are paired into (radius, angle): level 1 angles
+After a random rotation (preconditioning), coordinates are paired into (radius, angle): level-1 angles
 lie in [0, 2 pi), and every higher level pairs the radii of the level below, so its angles lie in
 [0, pi/2] and concentrate around pi/4. After `levels` levels the d / 2^levels remaining radii are kept
-in fp16; level-1 angles get `bits` bits and higher levels `upper_bits` bits, each quantized uniformly
-on its range at cell centres (the paper fits codebooks to the angle distribution; uniform cells are
-this reference's simplification).
+in fp16; level-1 angles get `bits` bits and higher levels `upper_bits` bits.
+
+Method card. Paper: Sec. 3 (the transform and the angle densities after preconditioning), with its
+4 levels at 4 bits for level 1 and 2 bits above as the default (3.875 bits per element with fp16
+radii). Each level's angles take the Lloyd-Max codebook of that level's analytic density
+(kvq.quant.codebooks.polar_angle_codebook: uniform at level 1, proportional to
+(sin psi cos psi)^(2^(level-1) - 1) above), as the paper fits codebooks to the known distributions.
+The preconditioning is SRFT by default; `rotation: haar` is a uniformly random rotation.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
+from kvq.quant.codebooks import angle_range, polar_angle_codebook
 from kvq.quant.packing import pack, packed_row_bytes, unpack
 from kvq.rotations import Rotation
 
@@ -42,9 +47,8 @@ class PolarQuant(Quantizer):
         self.levels = levels
         self.level_bits = [bits] + [upper_bits] * (levels - 1)
 
-    @staticmethod
-    def _range(level: int) -> float:
-        return 2 * math.pi if level == 0 else math.pi / 2
+    def _codebook(self, level: int, like: torch.Tensor) -> torch.Tensor:
+        return polar_angle_codebook(level, self.level_bits[level]).to(like.device)
 
     def encode(self, x: torch.Tensor) -> PolarPacked:
         radii = self.rotation.forward(x.float())
@@ -53,9 +57,9 @@ class PolarQuant(Quantizer):
             pairs = radii.reshape(*radii.shape[:-1], -1, 2)
             angle = torch.atan2(pairs[..., 1], pairs[..., 0])
             if level == 0:
-                angle = torch.remainder(angle, 2 * math.pi)
-            cells = 1 << bits
-            code = torch.floor(angle / self._range(level) * cells).clamp(0, cells - 1)
+                angle = torch.remainder(angle, angle_range(0))
+            codebook = self._codebook(level, angle)
+            code = torch.bucketize(angle, (codebook[1:] + codebook[:-1]) / 2)
             codes.append(pack(code.to(torch.int16), bits))
             radii = pairs.norm(dim=-1)
         return PolarPacked(codes, radii.to(torch.float16), tuple(x.shape), x.dtype)
@@ -66,8 +70,8 @@ class PolarQuant(Quantizer):
         for level in reversed(range(self.levels)):
             bits = self.level_bits[level]
             count = d >> (level + 1)
-            code = unpack(packed.angles[level], bits, count, signed=False).float()
-            angle = (code + 0.5) / (1 << bits) * self._range(level)
+            code = unpack(packed.angles[level], bits, count, signed=False)
+            angle = self._codebook(level, radii)[code.long()]
             radii = torch.stack([radii * torch.cos(angle), radii * torch.sin(angle)], dim=-1).flatten(-2)
         return self.rotation.inverse(radii).to(packed.dtype)
 
