@@ -15,9 +15,10 @@ from pathlib import Path
 
 from kvq.provenance import PACKAGE_DIR, versions
 
-# Modules that cannot change a measured number: they parse specs, print, plot, lock or store.
+# Modules that cannot change a cell's number: they parse specs, print, plot, lock or store, or time
+# kernels (kvq bench reports speed, never a cell).
 PRESENTATION_MODULES = frozenset({
-    "__main__.py", "cli.py", "errors.py", "fingerprint.py", "ledger.py", "locks.py", "plot.py",
+    "__main__.py", "bench.py", "cli.py", "errors.py", "fingerprint.py", "ledger.py", "locks.py", "plot.py",
     "provenance.py", "report.py", "results.py", "store.py", "yamlspec.py",
 })
 DIGEST_CHARS = 16
