@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvq.attention import SCORE_ATTENTION, switch_attention, uses_score_path
+from kvq.attention import SCORE_ATTENTION, WINDOW_ATTENTION, switch_attention, uses_score_path
 from kvq.errors import KvqError
+from kvq.protocol import Protocol
 from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
 
 MODES = ("hook", "cache")
@@ -24,6 +25,12 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise KvqError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
+
+
+def check_protocol(mode: str, protocol: Protocol) -> Protocol:
+    if mode == "hook" and not protocol.is_default:
+        raise KvqError("the protocol's window and exact_prefill apply to cache mode, not hook mode")
+    return protocol
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,17 @@ def _projection_hook(quantizer: Quantizer, head_dim: int) -> Callable:
     return hook
 
 
+def quantized_pair(bank: QuantizerBank, layer: int, keys: torch.Tensor, values: torch.Tensor):
+    """What attention reads in place of one write's K/V: quantize-dequantized values, and keys
+    quantize-dequantized or, for a score-path quantizer (QJL), sketched."""
+    key_quantizer = bank.get(layer, "k")
+    if uses_score_path(key_quantizer):
+        keys = key_quantizer.attention_keys(keys)
+    else:
+        keys = key_quantizer(keys).to(keys.dtype)
+    return keys, bank.get(layer, "v")(values).to(values.dtype)
+
+
 class QuantizedWriteCache(DynamicCache):
     """DynamicCache that quantize-dequantizes every K/V write (post-RoPE)."""
 
@@ -94,22 +112,51 @@ class QuantizedWriteCache(DynamicCache):
         self.bank = bank
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        key_quantizer = self.bank.get(layer_idx, "k")
-        if uses_score_path(key_quantizer):
-            key_states = key_quantizer.attention_keys(key_states)
-        else:
-            key_states = key_quantizer(key_states).to(key_states.dtype)
-        value_states = self.bank.get(layer_idx, "v")(value_states).to(value_states.dtype)
+        key_states, value_states = quantized_pair(self.bank, layer_idx, key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+class ProtocolWriteCache(DynamicCache):
+    """Cache mode under a non-default Protocol: the layers hold exact K/V (what `update` returns) and
+    this cache holds their quantized copies beside them, aligned position by position, for
+    kvq.attention's window attention to read where a position is out of a query's window."""
+
+    def __init__(self, bank: QuantizerBank, protocol: Protocol, config=None):
+        super().__init__(config=config)
+        self.bank, self.protocol = bank, protocol
+        self._far: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._prefill: dict[int, int] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        far = quantized_pair(self.bank, layer_idx, key_states, value_states)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx in self._far:
+            far = tuple(torch.cat([old, new], dim=-2) for old, new in zip(self._far[layer_idx], far, strict=True))
+        # A sliding layer returns only its newest positions: the copies keep the same suffix.
+        self._far[layer_idx] = tuple(t[..., -keys.shape[-2]:, :] for t in far)
+        self._prefill.setdefault(layer_idx, keys.shape[-2])
+        return keys, values
+
+    def far(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._far[layer_idx]
+
+    def near(self, layer_idx: int, n_queries: int, n_keys: int) -> torch.Tensor:
+        """(n_queries, n_keys) bool: True where the query sees that position exact. The queries are
+        the newest n_queries of the n_keys positions."""
+        if self.protocol.exact_prefill and n_keys == self._prefill[layer_idx]:
+            return torch.ones(n_queries, n_keys, dtype=torch.bool)
+        queries = torch.arange(n_keys - n_queries, n_keys)[:, None]
+        return queries - torch.arange(n_keys)[None, :] < self.protocol.window
+
+
 @contextmanager
-def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) -> Iterator[Callable[[], dict]]:
+def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str,
+                 protocol: Protocol = Protocol()) -> Iterator[Callable[[], dict]]:
     """Yields a function giving the forward() kwargs for one fresh forward pass under `mode`.
 
     With bank None the model runs unquantized (the fp baseline), on the same code path.
     """
-    check_mode(mode)
+    check_protocol(check_mode(mode), protocol)
     handles = []
     restore = None
     try:
@@ -123,6 +170,9 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) 
             yield lambda: {"use_cache": False}
         elif bank is None:
             yield lambda: {"use_cache": True, "past_key_values": DynamicCache(config=model.config)}
+        elif not protocol.is_default:
+            fresh_cache, restore = _use_window_attention(model, bank, protocol)
+            yield fresh_cache
         else:
             if uses_score_path(bank.get(0, "k")):
                 restore = _use_score_attention(model, bank)
@@ -132,6 +182,26 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str) 
             handle.remove()
         if restore:
             restore()
+
+
+def _use_window_attention(model: torch.nn.Module, bank: QuantizerBank, protocol: Protocol):
+    """Switches the model to kvq's window attention; returns a function giving the forward() kwargs
+    with a fresh ProtocolWriteCache (which the attention modules read), and the undo."""
+    modules = attention_modules(model)
+    restore_attention = switch_attention(model, WINDOW_ATTENTION)
+
+    def fresh_cache() -> dict:
+        cache = ProtocolWriteCache(bank, protocol, config=model.config)
+        for attention in modules:
+            attention.kvq_protocol_cache = cache
+        return {"use_cache": True, "past_key_values": cache}
+
+    def restore() -> None:
+        restore_attention()
+        for attention in modules:
+            attention.__dict__.pop("kvq_protocol_cache", None)
+
+    return fresh_cache, restore
 
 
 def _use_score_attention(model: torch.nn.Module, bank: QuantizerBank) -> Callable[[], None]:

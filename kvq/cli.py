@@ -33,6 +33,14 @@ def device_option():
     return typer.Option("auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps", callback=_resolve_device)
 
 
+def window_option():
+    return typer.Option(0, min=0, help="cache mode: the recent tokens each query sees exact (kvq.protocol)")
+
+
+def exact_prefill_option():
+    return typer.Option(False, help="cache mode: the first call (the prompt) attends over exact K/V")
+
+
 def parse_options(pairs: list[str]) -> dict:
     options = {}
     for pair in pairs:
@@ -56,6 +64,8 @@ def ppl(
     option: list[str] = typer.Option([], help="method-specific key=value, repeatable"),
     calibration: Path | None = typer.Option(None, help="artifact from `kvq calibrate`"),
     mode: str = typer.Option("hook", help="hook (k_proj/v_proj outputs) or cache (post-RoPE at cache write)"),
+    window: int = window_option(),
+    exact_prefill: bool = exact_prefill_option(),
     corpus: str = typer.Option("shakespeare", help="shakespeare, a local .txt file/dir, or hf:<dataset>"),
     seq_len: int = typer.Option(256, min=2),
     n_windows: int = typer.Option(8, min=1),
@@ -65,8 +75,9 @@ def ppl(
 ):
     """Perplexity of one model under one quantizer, against its fp baseline."""
     from kvq import models
-    from kvq.apply import check_mode
+    from kvq.apply import check_mode, check_protocol
     from kvq.experiment import DataSpec, eval_windows, make_bank, measure
+    from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant import QuantSpec
     from kvq.store import write_json_atomic
@@ -74,22 +85,26 @@ def ppl(
     spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option),
                      str(calibration) if calibration else None)
     data = DataSpec(corpus, seq_len, n_windows, batch_size)
-    check_mode(mode)
+    protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     bank = make_bank(model, models.load_config(model), spec)
     lm = models.load(model, device=device)
     windows = eval_windows(lm, data)
     base = measure(lm, windows, None, mode, data, progress_bar("fp baseline"))
-    quantized = measure(lm, windows, bank, mode, data, progress_bar(spec.label()))
-    bits_per_element = bank.measured_bits_per_element()
-    typer.echo(f"model {model}  mode {mode}  quantizer {spec.label()}  windows {n_windows}x{seq_len}")
+    quantized = measure(lm, windows, bank, mode, data, progress_bar(spec.label()), protocol)
+    quantized_bits = bank.measured_bits_per_element()
+    bits_per_element = protocol.stored_bits_per_element(quantized_bits, seq_len)
+    shown_protocol = f"  protocol {protocol.label()}" if not protocol.is_default else ""
+    typer.echo(f"model {model}  mode {mode}  quantizer {spec.label()}  windows {n_windows}x{seq_len}{shown_protocol}")
     typer.echo(f"fp PPL         {base.ppl:.4f}")
     typer.echo(f"quantized PPL  {quantized.ppl:.4f}")
     typer.echo(f"dPPL           {quantized.ppl - base.ppl:+.4f}")
-    typer.echo(f"bits/element   {bits_per_element:.4f}")
+    encoded = f" (the window's tokens in fp16, the rest at {quantized_bits:.4f} as encoded)"
+    typer.echo(f"bits/element   {bits_per_element:.4f}" + (encoded if shown_protocol else ""))
     if json_out:
         record = {
             "model": model, "mode": mode, "quant": spec.to_dict(), "data": data.to_dict(),
-            "bits_per_element": bits_per_element, "fp": base.to_dict(), "quantized": quantized.to_dict(),
+            "protocol": protocol.to_dict(), "bits_per_element": bits_per_element,
+            "quantized_bits_per_element": quantized_bits, "fp": base.to_dict(), "quantized": quantized.to_dict(),
             "dppl": quantized.ppl - base.ppl, **provenance(device),
         }
         write_json_atomic(json_out, record)
@@ -218,6 +233,8 @@ def lmeval(
     tasks: str = typer.Option("kvq_passkey", help="comma-separated lm-eval tasks (kvq_passkey, kvq_vt or any)"),
     limit: int | None = typer.Option(None),
     mode: str = typer.Option("cache"),
+    window: int = window_option(),
+    exact_prefill: bool = exact_prefill_option(),
     lengths: str = typer.Option("512,1024", help="kvq_* task context lengths in tokens"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", help="kvq_* task needle depths"),
     device: str = device_option(),
@@ -225,27 +242,30 @@ def lmeval(
 ):
     """lm-eval tasks with a quantized KV cache (loglikelihood and generation requests)."""
     from kvq import models
-    from kvq.apply import check_mode
+    from kvq.apply import check_mode, check_protocol
     from kvq.experiment import make_bank
     from kvq.lmeval import QuantizedHFLM, evaluate, per_sample
     from kvq.longctx import RetrievalSpec, write_tasks
+    from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant.spec import parse_spec
     from kvq.store import write_json_atomic
 
     spec = parse_spec(quant)
-    check_mode(mode)
+    protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     retrieval = RetrievalSpec(tuple(int(x) for x in _floats(lengths)), _floats(depths))
     bank = make_bank(model, models.load_config(model), spec) if spec else None
     lm = models.load(model, device=device)
     folder = write_tasks(lm.tokenizer, retrieval, models.cache_dir() / "tasks")
     task_list = tasks.split(",")
-    results = evaluate(QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device), task_list, limit, folder)
+    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
+    results = evaluate(harness, task_list, limit, folder)
     for task, metrics in results["results"].items():
         shown = {k: v for k, v in metrics.items() if isinstance(v, float)}
         typer.echo(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
     if json_out:
-        record = {"format": "kvq-lmeval/1", "model": model, "mode": mode, "quant": spec.to_dict() if spec else None,
+        record = {"format": "kvq-lmeval/1", "model": model, "mode": mode, "protocol": protocol.to_dict(),
+                  "quant": spec.to_dict() if spec else None,
                   "results": results["results"], "samples": {t: per_sample(results, t) for t in task_list},
                   "bits_per_element": bank.measured_bits_per_element() if bank else 16.0, **provenance(device)}
         write_json_atomic(json_out, record)
@@ -261,22 +281,25 @@ def retrieval(
     depths: str = typer.Option("0,0.25,0.5,0.75,1"),
     samples: int = typer.Option(1, help="documents per (length, depth)"),
     mode: str = typer.Option("cache"),
+    window: int = window_option(),
+    exact_prefill: bool = exact_prefill_option(),
     out: Path = typer.Option(Path("runs/retrieval")),
     results: Path = typer.Option(Path("RESULTS.md")),
     device: str = device_option(),
 ):
     """Retrieval accuracy vs context length and depth per quantizer: JSON, table, heatmap, RESULTS.md item."""
-    from kvq.apply import check_mode
+    from kvq.apply import check_mode, check_protocol
     from kvq.ledger import append_finding
     from kvq.longctx import RetrievalSpec
+    from kvq.protocol import Protocol
     from kvq.provenance import describe_source, git_state
     from kvq.quant.spec import parse_spec
     from kvq.retrieval import accuracy_frame, accuracy_table, heatmap, run_retrieval
 
-    check_mode(mode)
+    protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     specs = [parse_spec(q) for q in quant]
     spec = RetrievalSpec(tuple(int(x) for x in _floats(lengths)), _floats(depths), samples)
-    records = run_retrieval(model, specs, spec, mode, task, out, device)
+    records = run_retrieval(model, specs, spec, mode, task, out, device, protocol=protocol)
     frame = accuracy_frame(records)
     table = accuracy_table(frame)
     figures = heatmap(frame, out / f"{model}-{task}-heatmap", f"{task} on {model} ({mode} mode)")

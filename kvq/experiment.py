@@ -7,6 +7,7 @@ from kvq.apply import QuantizerBank, kv_geometry
 from kvq.calibrate import load_learned
 from kvq.data import token_windows
 from kvq.ppl import PplResult, Progress, perplexity
+from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 
 
@@ -33,5 +34,5 @@ def eval_windows(lm: models.LoadedModel, data: DataSpec):
 
 
 def measure(lm: models.LoadedModel, windows, bank: QuantizerBank | None, mode: str, data: DataSpec,
-            progress: Progress | None = None) -> PplResult:
-    return perplexity(lm.model, windows, bank, mode, data.batch_size, progress)
+            progress: Progress | None = None, protocol: Protocol = Protocol()) -> PplResult:
+    return perplexity(lm.model, windows, bank, mode, data.batch_size, progress, protocol)

@@ -9,6 +9,7 @@ from lm_eval.tasks import TaskManager
 
 from kvq.apply import QuantizerBank, quantized_kv
 from kvq.errors import KvqError
+from kvq.protocol import Protocol
 
 
 class QuantizedHFLM(HFLM):
@@ -17,18 +18,19 @@ class QuantizedHFLM(HFLM):
     With bank None it is the fp reference on the same code path."""
 
     def __init__(self, model, tokenizer, bank: QuantizerBank | None, mode: str, device: str = "cpu",
-                 batch_size: int = 1, max_length: int | None = None):
+                 batch_size: int = 1, max_length: int | None = None, protocol: Protocol = Protocol()):
         super().__init__(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size,
                          max_length=max_length)
         self.bank = bank
         self.mode = mode
+        self.protocol = protocol
 
     def _model_call(self, inps, attn_mask=None, labels=None):
-        with torch.no_grad(), quantized_kv(self.model, self.bank, self.mode) as forward_kwargs:
+        with torch.no_grad(), quantized_kv(self.model, self.bank, self.mode, self.protocol) as forward_kwargs:
             return self.model(inps, **forward_kwargs()).logits
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        with quantized_kv(self.model, self.bank, self.mode) as forward_kwargs:
+        with quantized_kv(self.model, self.bank, self.mode, self.protocol) as forward_kwargs:
             extra = forward_kwargs()
             extra.pop("use_cache")  # generation always caches; hook mode quantizes the projections anyway
             return super()._model_generate(context, max_length, stop, **generation_kwargs, **extra)
@@ -44,9 +46,9 @@ def evaluate(lm: QuantizedHFLM, tasks: list[str], limit: int | None, include_pat
 
 
 def run_task(lm, bank: QuantizerBank | None, mode: str, task: str, limit: int | None, include_path: Path,
-             device: str = "cpu") -> dict:
+             device: str = "cpu", protocol: Protocol = Protocol()) -> dict:
     """One task of a LoadedModel under one quantizer (None: fp): its metrics and per-sample rows."""
-    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device)
+    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
     results = evaluate(harness, [task], limit, include_path)
     return {"metrics": results["results"][task], "samples": per_sample(results, task)}
 

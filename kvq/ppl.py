@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvq.apply import QuantizerBank, quantized_kv
+from kvq.protocol import Protocol
 
 Progress = Callable[[Iterable], Iterable]
 
@@ -22,12 +23,13 @@ class PplResult:
 
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, windows: torch.Tensor, bank: QuantizerBank | None = None,
-               mode: str = "hook", batch_size: int = 2, progress: Progress | None = None) -> PplResult:
+               mode: str = "hook", batch_size: int = 2, progress: Progress | None = None,
+               protocol: Protocol = Protocol()) -> PplResult:
     """exp(mean next-token NLL) over all predicted tokens; also per window."""
     device = next(model.parameters()).device
     batches = list(windows.split(batch_size))
     window_nll: list[torch.Tensor] = []
-    with quantized_kv(model, bank, mode) as forward_kwargs:
+    with quantized_kv(model, bank, mode, protocol) as forward_kwargs:
         for batch in (progress or iter)(batches):
             batch = batch.to(device)
             logits = model(input_ids=batch, **forward_kwargs()).logits[:, :-1].float()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvq.fingerprint import record_digest
+from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 from kvq.store import read_json
 
@@ -37,14 +38,17 @@ def _row(record: dict, path: Path) -> dict:
     quant = QuantSpec(**config["quant"])
     unseeded = QuantSpec(**{**config["quant"], "seed": 0})
     granularity = quant.granularity + (f"-g{quant.group_size}" if "group" in quant.granularity else "")
+    protocol = Protocol(**config.get("protocol", {}))
+    suffix = f" {protocol.label()}" if not protocol.is_default else ""
     return {
         "model": config["model"],
         "mode": config["mode"],
         "quantizer": quant.quantizer,
         "bits": quant.bits,
         "granularity": granularity,
-        "series": f"{quant.quantizer} {granularity}",
-        "label": unseeded.label(),
+        "series": f"{quant.quantizer} {granularity}{suffix}",
+        "label": unseeded.label() + suffix,
+        "protocol": protocol.label() or "default",
         "config": _config_without_seed(config),
         "seed": quant.seed,
         "bits_per_element": record["bits_per_element"],

@@ -15,6 +15,7 @@ from kvq.ledger import markdown_table
 from kvq.lmeval import run_task
 from kvq.longctx import RetrievalSpec, write_tasks
 from kvq.models import cache_dir
+from kvq.protocol import Protocol
 from kvq.provenance import provenance
 from kvq.quant import QuantSpec
 from kvq.store import write_json_atomic
@@ -25,7 +26,8 @@ def label(spec: QuantSpec | None) -> str:
 
 
 def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: RetrievalSpec, mode: str,
-                  task: str, out_dir: Path, device: str = "cpu", limit: int | None = None) -> list[dict]:
+                  task: str, out_dir: Path, device: str = "cpu", limit: int | None = None,
+                  protocol: Protocol = Protocol()) -> list[dict]:
     """One lm-eval run of `task` per spec; each result is written to out_dir as JSON and returned."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks are local files
     banks = {label(s): (s, make_bank(model_name, models.load_config(model_name), s) if s else None) for s in specs}
@@ -33,9 +35,10 @@ def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: Ret
     folder = write_tasks(lm.tokenizer, retrieval, cache_dir() / "tasks")
     records = []
     for name, (spec, bank) in banks.items():
-        result = run_task(lm, bank, mode, task, limit, folder, device)
+        result = run_task(lm, bank, mode, task, limit, folder, device, protocol)
         record = {
-            "format": "kvq-retrieval/1", "model": model_name, "mode": mode, "task": task, "label": name,
+            "format": "kvq-retrieval/1", "model": model_name, "mode": mode, "protocol": protocol.to_dict(),
+            "task": task, "label": name,
             "quant": spec.to_dict() if spec else None, "retrieval": retrieval.__dict__,
             "accuracy": result["metrics"]["acc,none"], "samples": result["samples"],
             "bits_per_element": bank.measured_bits_per_element() if bank else 16.0, **provenance(device),

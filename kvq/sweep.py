@@ -98,7 +98,8 @@ class _CellRunner:
             return False
         started = time.time()
         bank = make_bank(cell.model, lm.model.config, cell.quant)
-        quantized = measure(lm, windows, bank, cell.mode, cell.data, self.progress(cell.quant.label()))
+        quantized = measure(lm, windows, bank, cell.mode, cell.data, self.progress(cell.quant.label()), cell.protocol)
+        quantized_bits = bank.measured_bits_per_element()
         fp_ppl = fp["measurement"]["ppl"]
         record = {
             "format": CELL_FORMAT,
@@ -113,7 +114,9 @@ class _CellRunner:
                 "dppl": quantized.ppl - fp_ppl,
                 "tokens": quantized.tokens,
             },
-            "bits_per_element": bank.measured_bits_per_element(),
+            # the cache's cost at the end of a window: the protocol's exact tokens in fp16, the rest as encoded
+            "bits_per_element": cell.protocol.stored_bits_per_element(quantized_bits, cell.data.seq_len),
+            "quantized_bits_per_element": quantized_bits,
             "stated_bits_per_element": bank.bits_per_element(cell.data.seq_len),
             "calibration": calibration_summary(cell.quant.calibration) if cell.quant.calibration else None,
             "measured_with": self.book.context(cell),
@@ -141,7 +144,7 @@ class _CellRunner:
         settings = cell.lmeval
         retrieval = RetrievalSpec(settings.lengths, settings.depths)
         folder = write_tasks(lm.tokenizer, retrieval, models.cache_dir() / "tasks")
-        return run_task(lm, bank, cell.mode, task, settings.limit, folder, self.book.device)
+        return run_task(lm, bank, cell.mode, task, settings.limit, folder, self.book.device, cell.protocol)
 
 
 def run_sweep(spec: SweepSpec, runs_dir: Path, force: bool = False, device: str = "cpu",

@@ -10,6 +10,7 @@ from typing import Any
 from kvq.apply import MODES
 from kvq.errors import KvqError
 from kvq.experiment import DataSpec
+from kvq.protocol import Protocol
 from kvq.quant import QUANTIZERS, SCALAR_FIELDS, QuantSpec, check_options, is_seeded, used_fields
 from kvq.quant.scalar import GRANULARITIES, SCALE_DTYPES
 from kvq.yamlspec import LocatedMapping, load_located
@@ -52,6 +53,7 @@ class SweepSpec:
     seeds: list[int] = field(default_factory=lambda: [0])
     metrics: list[str] = field(default_factory=lambda: ["ppl"])
     lmeval: LmevalSpec = field(default_factory=LmevalSpec)
+    protocols: list[Protocol] = field(default_factory=lambda: [Protocol()])
     source: str = ""
 
     @property
@@ -67,11 +69,14 @@ class Cell:
     quant: QuantSpec
     lmeval_tasks: tuple[str, ...] = ()
     lmeval: LmevalSpec = field(default_factory=LmevalSpec)
+    protocol: Protocol = field(default_factory=Protocol)
 
     def config(self) -> dict[str, Any]:
         config = {"model": self.model, "mode": self.mode, "data": self.data.to_dict(), "quant": self.quant.to_dict()}
         if self.lmeval_tasks:  # only then, so ppl-only cells keep their ids
             config["lmeval"] = {"tasks": list(self.lmeval_tasks), **self.lmeval.to_dict()}
+        if not self.protocol.is_default:  # likewise for cells under the default protocol
+            config["protocol"] = self.protocol.to_dict()
         return config
 
     @property
@@ -169,7 +174,8 @@ def _grid(fields_: _Fields) -> Grid:
     return grid
 
 
-TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics", "lmeval")
+TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics", "lmeval", "protocol")
+PROTOCOL_FIELDS = tuple(f.name for f in fields(Protocol))
 LMEVAL_FIELDS = ("limit", "lengths", "depths")
 DATA_FIELDS = tuple(f.name for f in fields(DataSpec))
 
@@ -198,6 +204,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
         lengths=tuple(lmeval_fields.get_list("lengths", int, list(lmeval_default.lengths))),
         depths=tuple(float(d) for d in lmeval_fields.get_list("depths", (int, float), list(lmeval_default.depths))),
     )
+    protocols = _protocols(top)
     raw_grid = top.mapping.get("grid")
     if raw_grid is None:
         raise KvqError(f"{path}:{top.mapping.line}: field 'grid' is required")
@@ -217,8 +224,11 @@ def load_sweep(path: str | Path) -> SweepSpec:
         seeds=top.get_list("seeds", int, [0]),
         metrics=top.get_list("metrics", str, ["ppl"]),
         lmeval=lmeval,
+        protocols=protocols,
         source=str(path),
     )
+    if spec.mode == "hook" and protocols != [Protocol()]:
+        top.fail("protocol", "window and exact_prefill apply to mode: cache")
     if spec.mode not in MODES:
         top.fail("mode", f"{spec.mode!r} is not one of {', '.join(MODES)}")
     for metric in spec.metrics:
@@ -227,6 +237,25 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if not spec.name.replace("_", "").replace("-", "").isalnum():
         top.fail("name", "use letters, digits, '-' and '_' only (it names the runs/ folder)")
     return spec
+
+
+def _protocols(top: _Fields) -> list[Protocol]:
+    """`protocol:` is one mapping or a list of them (each a separate set of cells)."""
+    raw = top.mapping.get("protocol", LocatedMapping({}, {}, top.mapping.line))
+    items = raw if isinstance(raw, list) else [raw]
+    protocols = []
+    for index, item in enumerate(items):
+        if not isinstance(item, LocatedMapping):
+            top.fail("protocol", "expected a mapping or a list of mappings")
+        fields_ = _Fields(top.path, item, f"protocol[{index}]." if isinstance(raw, list) else "protocol.")
+        fields_.unknown_keys(PROTOCOL_FIELDS)
+        window = fields_.get("window", int, 0)
+        if window < 0:
+            fields_.fail("window", f"must be >= 0, got {window}")
+        protocols.append(Protocol(window, fields_.get("exact_prefill", bool, False)))
+    if not protocols:
+        top.fail("protocol", "must not be empty")
+    return protocols
 
 
 def _without_unused_fields(quant: QuantSpec) -> QuantSpec:
@@ -240,9 +269,10 @@ def _without_unused_fields(quant: QuantSpec) -> QuantSpec:
 
 
 def expand(spec: SweepSpec) -> list[Cell]:
-    """Grid x models x seeds, in YAML order; unseeded quantizers get one cell instead of one per seed."""
+    """Protocols x models x grid x seeds, in YAML order; unseeded quantizers get one cell instead of one
+    per seed."""
     cells: dict[str, Cell] = {}
-    for model in spec.models:
+    for protocol, model in itertools.product(spec.protocols, spec.models):
         for grid in spec.grids:
             combos = itertools.product(*(getattr(grid, f) for f in GRID_FIELDS))
             for quantizer, bits, granularity, group_size, symmetric, scale_dtype, options, calibration in combos:
@@ -251,6 +281,6 @@ def expand(spec: SweepSpec) -> list[Cell]:
                 first = _without_unused_fields(first)
                 for seed in spec.seeds if is_seeded(first) else spec.seeds[:1]:
                     cell = Cell(model, spec.mode, spec.data, replace(first, seed=seed), tuple(spec.lmeval_tasks),
-                                spec.lmeval)
+                                spec.lmeval, protocol)
                     cells.setdefault(cell.id, cell)
     return list(cells.values())

@@ -34,7 +34,7 @@ def test_lloyd_max_known_levels():
     assert torch.allclose(lloyd_max_gaussian(2), torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104]), atol=1e-3)
 
 
-@pytest.mark.parametrize("name,options", [("turbo", {}), ("turbo", {"variant": "prod"}), ("kivi", {"residual": 8})])
+@pytest.mark.parametrize("name,options", [("turbo", {}), ("turbo", {"variant": "prod"}), ("kivi", {})])
 @pytest.mark.parametrize("role", ["k", "v"])
 def test_mse_decreases_with_bits_and_bits_are_exact(name, options, role):
     x = torch.randn(2, 2, 72, 64)
@@ -48,12 +48,12 @@ def test_mse_decreases_with_bits_and_bits_are_exact(name, options, role):
     assert errors == sorted(errors, reverse=True)
 
 
-def test_kivi_keeps_recent_tokens_in_fp16_and_groups_keys_by_tokens():
-    q = quantizer("kivi", 2, "k", residual=10)
+def test_kivi_keeps_tokens_short_of_a_group_in_fp16_and_groups_keys_by_tokens():
+    q = quantizer("kivi", 2, "k")
     x = torch.randn(1, 2, 75, 64)
     y = q(x)
     quantized = q.quantized_tokens(75)
-    assert quantized == 64  # (75 - 10) rounded down to whole 32-token groups
+    assert quantized == 64  # 75 rounded down to whole 32-token groups
     assert torch.equal(y[..., quantized:, :], x[..., quantized:, :].half().float())
     assert not torch.equal(y[..., :quantized, :], x[..., :quantized, :])
     packed = q.encode(x)

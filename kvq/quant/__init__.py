@@ -82,11 +82,10 @@ QUANTIZERS.register("hqmq")(QuantizerEntry(_hqmq, seeded=True, uses=frozenset(),
 
 
 def _kivi(spec: QuantSpec, site: Site) -> Quantizer:
-    return KIVI(site.role, spec.bits, spec.group_size, spec.options.get("residual", 128))
+    return KIVI(site.role, spec.bits, spec.group_size)
 
 
-QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False, uses=frozenset({"bits", "group_size"}),
-                                           options={"residual": int}))
+QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False, uses=frozenset({"bits", "group_size"})))
 
 
 def _turbo(spec: QuantSpec, site: Site) -> Quantizer:

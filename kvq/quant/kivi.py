@@ -1,15 +1,18 @@
 """KIVI baseline (Liu et al. 2024, as used in the HQMQ paper Sec. 4.8).
 
 Asymmetric quantization, K per-channel over groups of `group_size` tokens and V per-token in groups
-of `group_size` channels, fp16 scales and zero points; the most recent `residual` tokens of each write
-(and the tokens that do not fill a whole K group) stay in fp16, as KIVI's full-precision window.
+of `group_size` channels, fp16 scales and zero points; the tokens of a write that do not fill a whole
+group stay in fp16 until they do, as in KIVI's streaming cache.
+
+Method card. KIVI's full-precision window of recent tokens is not this quantizer's: it is the shared
+evaluation protocol's `window` (kvq.protocol), which gives every method the same exact window and
+charges it in the bits per element, so KIVI is compared at its true cost.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
 
@@ -17,7 +20,7 @@ from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
 @dataclass
 class KIVIPacked(Packed):
     quantized: ScalarPacked | None
-    residual: torch.Tensor  # fp16, the most recent tokens
+    residual: torch.Tensor  # fp16, the tokens short of a whole group
     shape: tuple[int, ...]
 
     def storage_bits(self) -> int:
@@ -26,17 +29,14 @@ class KIVIPacked(Packed):
 
 
 class KIVI(Quantizer):
-    def __init__(self, role: str, bits: int, group_size: int = 32, residual: int = 128):
-        if residual < 0:
-            raise KvqError(f"kivi residual must be >= 0, got {residual}")
+    def __init__(self, role: str, bits: int, group_size: int = 32):
         self.role = role
         self.group_size = group_size
-        self.residual = residual
         granularity = "per_channel" if role == "k" else "per_group"
         self.inner = ScalarQuantizer(bits, granularity, group_size, symmetric=False, scale_dtype="float16")
 
     def quantized_tokens(self, n_tokens: int) -> int:
-        return max(0, n_tokens - self.residual) // self.group_size * self.group_size
+        return n_tokens // self.group_size * self.group_size
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """K: (..., T, d) -> (..., T/G, G, d) so per-channel stats cover one token group."""
