@@ -88,3 +88,22 @@ def test_qjl_key_error_decreases_with_sketch_rows():
     x = torch.randn(1, 2, 64, 64)
     errors = [float(((quantizer("qjl", m=m)(x) - x) ** 2).mean()) for m in (32, 128, 512, 2048)]
     assert errors == sorted(errors, reverse=True)
+
+
+def test_outlier_split_picks_each_groups_largest_channels_and_counts_their_bits():
+    x = torch.randn(1, 2, 70, 64)  # two whole 32-token groups and a 6-token tail
+    x[..., :32, 5] *= 20  # channel 5 is an outlier in the first group only
+    x[..., 32:, 40] *= 20  # channel 40 from the second group on
+    q = quantizer("turbo", 2, d=64, outliers=8, outlier_bits=4)
+    packed = q.encode(x)
+    whole, tail = packed.parts
+    assert whole.indices.shape == (1, 2, 2, 8) and tail.indices.shape == (1, 2, 1, 8)
+    assert (whole.indices[..., 0, :] == 5).any(-1).all() and not (whole.indices[..., 1, :] == 5).any()
+    assert (whole.indices[..., 1, :] == 40).any(-1).all() and (tail.indices[..., 0, :] == 40).any(-1).all()
+    assert packed.storage_bits() / x.numel() == pytest.approx(q.bits_per_element(64, 70))
+    # indices: 3 groups x 8 bytes per head vector group; codes: 8 channels at 4 bits, 56 at 2; four fp16 norms
+    assert q.bits_per_element(64, 70) == pytest.approx((3 * 8 * 8 + 70 * (8 * 4 + 56 * 2 + 2 * 16)) / (64 * 70))
+    y = q.decode(packed)
+    plain = quantizer("turbo", 2, d=64)
+    assert y.shape == x.shape
+    assert float(((y - x) ** 2).mean()) < 0.7 * float(((plain(x) - x) ** 2).mean())

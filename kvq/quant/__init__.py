@@ -12,6 +12,7 @@ from kvq.quant.qjl import QJLKeys
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.quant.spec import Learned, QuantSpec, Site
+from kvq.quant.split import ChannelSplit
 from kvq.quant.turbo import TurboQuant
 from kvq.registry import Registry
 from kvq.rotations import ROTATIONS, Composed, MatrixRotation, build_rotation
@@ -89,18 +90,30 @@ QUANTIZERS.register("kivi")(QuantizerEntry(_kivi, seeded=False, uses=frozenset({
 
 
 def _turbo(spec: QuantSpec, site: Site) -> Quantizer:
-    """variant mse (Alg. 1) everywhere, or prod (Alg. 2) on keys with mse on values."""
-    variant = spec.options.get("variant", "mse")
+    """variant mse (Alg. 1) everywhere, or prod (Alg. 2) on keys with mse on values; with `outliers`
+    channels per `outlier_group` tokens at `outlier_bits` beside the rest at `bits` (ChannelSplit)."""
+    knobs = spec.options
+    variant = knobs.get("variant", "mse")
     if variant not in TURBO_VARIANTS:
         raise KvqError(f"turbo option 'variant' must be one of {', '.join(TURBO_VARIANTS)}, got {variant!r}")
     seed = site.seed(spec.seed)
-    rotation = build_rotation(spec.options.get("rotation", "srft"), site.d, seed)
-    return TurboQuant(rotation, spec.bits, prod=variant == "prod" and site.role == "k", seed=seed)
+
+    def instance(d: int, bits: int, seed: int) -> TurboQuant:
+        rotation = build_rotation(knobs.get("rotation", "srft"), d, seed)
+        return TurboQuant(rotation, bits, prod=variant == "prod" and site.role == "k", seed=seed)
+
+    count = knobs.get("outliers", 0)
+    if not count:
+        return instance(site.d, spec.bits, seed)
+    outliers = instance(count, knobs.get("outlier_bits", spec.bits + 1), seed + OUTLIER_SEED_OFFSET)
+    regular = instance(site.d - count, spec.bits, seed)
+    return ChannelSplit(site.d, count, knobs.get("outlier_group", 32), outliers, regular)
 
 
 TURBO_VARIANTS = ("mse", "prod")
-QUANTIZERS.register("turbo")(QuantizerEntry(_turbo, seeded=True, uses=frozenset({"bits"}),
-                                            options={"rotation": str, "variant": str}))
+OUTLIER_SEED_OFFSET = 1 << 40  # past every site seed, so the two instances' rotations are independent
+QUANTIZERS.register("turbo")(QuantizerEntry(_turbo, seeded=True, uses=frozenset({"bits"}), options={
+    "rotation": str, "variant": str, "outliers": int, "outlier_bits": int, "outlier_group": int}))
 
 
 def _polar(spec: QuantSpec, site: Site) -> Quantizer:

@@ -12,7 +12,10 @@ Method card. kvq applies prod to keys only, whose inner products with queries ar
 reads; values take mse at b bits. The codebook is Gaussian Lloyd-Max rather than the exact Beta law
 of a rotated unit vector's coordinate (the two agree to within the tests' tolerance at head_dim 128).
 The rotation is SRFT by default (O(d log d)); `rotation: haar` is the paper's uniform random rotation.
-Not yet here: the outlier-channel split of the paper's 2.5- and 3.5-bit KV settings.
+The paper's 2.5- and 3.5-bit KV settings run two instances over outlier and regular channels
+(`outliers`, `outlier_bits`, `outlier_group` options; kvq.quant.split.ChannelSplit), the outliers
+chosen per token group by norm; which channel counts and bits the paper used per setting is for the
+user to set.
 """
 
 import math
