@@ -26,7 +26,7 @@ WINDOW_ATTENTION = "kvq_window"
 
 
 def uses_score_path(quantizer) -> bool:
-    return hasattr(quantizer, "attention_keys") and hasattr(quantizer, "attention_queries")
+    return getattr(quantizer, "score_path", False)
 
 
 def score_attention(module, query, key, value, attention_mask, **kwargs):

@@ -107,3 +107,27 @@ def test_outlier_split_picks_each_groups_largest_channels_and_counts_their_bits(
     plain = quantizer("turbo", 2, d=64)
     assert y.shape == x.shape
     assert float(((y - x) ** 2).mean()) < 0.7 * float(((plain(x) - x) ** 2).mean())
+
+
+def test_qjl_outlier_channels_are_sketched_apart_and_stay_unbiased():
+    d, n = 64, 4096
+    generator = torch.Generator().manual_seed(7)
+    k, q = torch.randn(2, 1, n, d, generator=generator)
+    k[..., 3] *= 12  # one channel dominates the keys' norm, as in real K caches
+    exact = (q * k).sum(-1)
+    errors = {}
+    for outliers in (0, 4):
+        estimates = []
+        for seed in range(4):
+            qjl = QJLKeys(d, 128, seed, outliers=outliers)
+            packed = qjl.encode(k)
+            if outliers:
+                assert (packed.indices == 3).any(-1).all()  # every 32-token group names channel 3
+                assert packed.storage_bits() / k.numel() == pytest.approx(qjl.bits_per_element(d, n))
+                assert qjl.bits_per_element(d, n) == ((128 + 16) + (64 + 16) + 4 * 8 / 32) / d
+            estimates.append((qjl.decode(packed) * q).sum(-1))
+        stacked = torch.stack(estimates)
+        errors[outliers] = float(((stacked - exact) ** 2).mean() / (exact**2).mean())
+        slope = float((stacked * exact).sum() / (stacked.shape[0] * (exact**2).sum()))
+        assert slope == pytest.approx(1.0, abs=0.03)
+    assert errors[4] < 0.5 * errors[0]

@@ -129,12 +129,14 @@ QUANTIZERS.register("polar")(QuantizerEntry(_polar, seeded=True, uses=frozenset(
 def _qjl(spec: QuantSpec, site: Site) -> Quantizer:
     """Keys: QJL sketch with m = options.m rows (default 2 d); values: the spec's scalar quantizer."""
     if site.role == "k":
-        return QJLKeys(site.d, spec.options.get("m", 2 * site.d), site.seed(spec.seed),
-                       spec.options.get("orthogonal", True))
+        knobs = spec.options
+        return QJLKeys(site.d, knobs.get("m", 2 * site.d), site.seed(spec.seed), knobs.get("orthogonal", True),
+                       knobs.get("outliers", 0), knobs.get("outlier_group", 32))
     return scalar_from_spec(spec)
 
 
-QUANTIZERS.register("qjl")(QuantizerEntry(_qjl, seeded=True, options={"m": int, "orthogonal": bool}))
+QUANTIZERS.register("qjl")(QuantizerEntry(_qjl, seeded=True, options={
+    "m": int, "orthogonal": bool, "outliers": int, "outlier_group": int}))
 
 
 def build_quantizer(spec: QuantSpec, site: Site) -> Quantizer:

@@ -5,44 +5,88 @@ asymmetric estimator <q, k> ~ sqrt(pi/2) / m * |k| * <S q, sign(S k)> is unbiase
 it equals <q, k_hat> with k_hat = sqrt(pi/2) / m * |k| * S^T sign(S k): decode returns k_hat, and any
 attention that takes q . k_hat computes exactly the QJL scores. Values use a scalar quantizer.
 
-Method card. Paper: QJL, Sec. 3 (estimator), official code (`QJLSketch`). As the official code, S is
-orthogonalised in blocks of d rows by default (`orthogonal`); `orthogonal=False` is the paper's
-i.i.d. Gaussian S. Not yet here: the official code's outlier channels sketched apart per 32-token
-group, its exact prompt window, and per-layer m.
+Method card. Paper: QJL, Sec. 3 (estimator); official code (`QJLSketch`, `QJLKeyQuantizer`), which
+kvq follows in two ways beyond the paper's plain estimator:
+- S is orthogonalised in blocks of d rows (`orthogonal`, default on; off is the paper's i.i.d. S).
+- Outlier channels (`outliers`, default 0): per group of `group` tokens the channels with the largest
+  norm over the group are sketched apart, by the first m/2 rows of S with their own norm, and the rest
+  (outliers zeroed) by all m rows, and the group's channel indices (a byte each) are stored. Each
+  part's estimate is read back on its own channels only, which keeps it unbiased (the part lives
+  there) and takes the outliers' large norm out of the other channels' error. A query then meets
+  per-group channel sets, so these keys are decoded rather than scored in sketch space. The official
+  code keeps the tokens short of a whole group exact; here they form a shorter group of their own,
+  and recency is the shared protocol's window (kvq.protocol).
+Values: the official code quantizes values per token in groups of channels; kvq's qjl takes the
+spec's scalar settings for values (granularity per_group, group_size 32 is that scheme).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kvq.errors import KvqError
-from kvq.quant.base import Quantizer
+from kvq.quant.base import Packed, Quantizer
 from kvq.quant.sketch import SignSketch, SketchPacked
 
 
 @dataclass
-class QJLPacked(SketchPacked):
+class QJLPacked(Packed):
+    inliers: SketchPacked
+    outliers: SketchPacked | None
+    indices: torch.Tensor | None  # (..., groups, count) uint8: each token group's outlier channels
     shape: tuple[int, ...]
     dtype: torch.dtype
 
+    def storage_bits(self) -> int:
+        bits = self.inliers.storage_bits()
+        if self.outliers is not None:
+            bits += self.outliers.storage_bits() + self.indices.numel() * 8
+        return bits
+
 
 class QJLKeys(Quantizer):
-    def __init__(self, d: int, sketch_rows: int, seed: int = 0, orthogonal: bool = True):
-        if sketch_rows < 1:
-            raise KvqError(f"qjl sketch rows m must be positive, got {sketch_rows}")
-        self.m = sketch_rows
+    def __init__(self, d: int, sketch_rows: int, seed: int = 0, orthogonal: bool = True, outliers: int = 0,
+                 group: int = 32):
+        if sketch_rows < 2:
+            raise KvqError(f"qjl sketch rows m must be at least 2, got {sketch_rows}")
+        if not 0 <= outliers < d or group < 1:
+            raise KvqError(f"qjl outliers must be in 0..{d - 1} and group >= 1, got {outliers} and {group}")
+        self.m, self.d, self.outliers, self.group = sketch_rows, d, outliers, group
         self.sketch = SignSketch(sketch_rows, d, seed, orthogonal)
+        self.outlier_sketch = self.sketch.first_rows(sketch_rows // 2) if outliers else None
+        self.score_path = not outliers  # kvq.attention scores q S^T against the stored signs
+
+    def _mask(self, indices: torch.Tensor, tokens: int) -> torch.Tensor:
+        """(..., groups, count) channel indices -> (..., tokens, d) bool, each token's group's outliers."""
+        mask = torch.zeros(*indices.shape[:-1], self.d, dtype=torch.bool, device=indices.device)
+        mask.scatter_(-1, indices.long(), True)
+        return mask.repeat_interleave(self.group, dim=-2)[..., :tokens, :]
 
     def encode(self, x: torch.Tensor) -> QJLPacked:
-        packed = self.sketch.encode(x)
-        return QJLPacked(packed.signs, packed.norm, tuple(x.shape), x.dtype)
+        if not self.outliers:
+            return QJLPacked(self.sketch.encode(x), None, None, tuple(x.shape), x.dtype)
+        xf = x.float()
+        tokens = x.shape[-2]
+        groups = -(-tokens // self.group)
+        padded = torch.nn.functional.pad(xf, (0, 0, 0, groups * self.group - tokens))
+        norms = padded.reshape(*x.shape[:-2], groups, self.group, self.d).norm(dim=-2)
+        indices = norms.topk(self.outliers, dim=-1).indices.to(torch.uint8)
+        mask = self._mask(indices, tokens)
+        return QJLPacked(self.sketch.encode(xf * ~mask), self.outlier_sketch.encode(xf * mask), indices,
+                         tuple(x.shape), x.dtype)
 
     def score_keys(self, packed: QJLPacked) -> torch.Tensor:
-        """(..., T, m) sketched keys sqrt(pi/2)/m |k| sign(S k): q S^T against these is the estimator."""
-        return self.sketch.scaled_signs(packed)
+        """(..., T, m) sketched keys sqrt(pi/2)/m |k| sign(S k): q S^T against these is the estimator
+        (without outlier channels, whose keys are decoded instead)."""
+        return self.sketch.scaled_signs(packed.inliers)
 
     def decode(self, packed: QJLPacked) -> torch.Tensor:
-        return self.sketch.estimate(packed).to(packed.dtype)
+        keys = self.sketch.estimate(packed.inliers)
+        if packed.outliers is not None:
+            mask = self._mask(packed.indices, packed.shape[-2])
+            keys = torch.where(mask, self.outlier_sketch.estimate(packed.outliers), keys)
+        return keys.to(packed.dtype)
 
     def attention_keys(self, x: torch.Tensor) -> torch.Tensor:
         """What the cache hands attention in place of keys (see kvq.attention)."""
@@ -52,4 +96,8 @@ class QJLKeys(Quantizer):
         return self.sketch.project(q).to(q.dtype)
 
     def bits_per_element(self, d: int, n_tokens: int) -> float:
-        return self.sketch.bits_per_vector() / d
+        bits = self.sketch.bits_per_vector() * n_tokens
+        if self.outliers:
+            index_bits = math.ceil(n_tokens / self.group) * self.outliers * 8
+            bits += self.outlier_sketch.bits_per_vector() * n_tokens + index_bits
+        return bits / (d * n_tokens)

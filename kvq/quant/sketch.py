@@ -44,6 +44,12 @@ class SignSketch:
         self.m = m
         self.matrix = (orthogonal_sketch if orthogonal else gaussian_sketch)(m, d, seed)
 
+    def first_rows(self, m: int) -> "SignSketch":
+        """The sketch by the first m rows of this one's S (an unbiased sketch of its own)."""
+        part = object.__new__(SignSketch)
+        part.m, part.matrix = m, self.matrix[:m]
+        return part
+
     def _matrix(self, like: torch.Tensor) -> torch.Tensor:
         return self.matrix.to(like.device)
 
