@@ -1,8 +1,8 @@
 """transformers attention functions that kvq registers.
 
-kvq_score: a key quantizer with `attention_keys` / `attention_queries` (QJL) has the cache store its
-sketched keys; this function maps queries the same way and runs SDPA, so softmax(q' . k') uses the
-quantizer's score estimator directly.
+kvq_score: a key quantizer whose `score_path` is set (QJL without outlier channels) has the cache store
+its sketched keys (`attention_keys`); this function maps queries the same way (`attention_queries`)
+and runs SDPA, so softmax(q' . k') uses the quantizer's score estimator directly.
 
 kvq_window: cache mode under a kvq.protocol.Protocol: each query takes the exact keys and values of the
 positions inside its window and the quantizer's copies (or sketched keys) of the rest, from the
