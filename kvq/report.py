@@ -32,6 +32,10 @@ def _table(frame: pd.DataFrame) -> str:
          str(r.seeds)]
         for r in summary.itertuples()
     ]
+    if (summary.quantized_bits_per_element != summary.bits_per_element).any():  # a protocol window is in
+        header.insert(3, "encoded bits/elem")
+        for row, bits in zip(rows, summary.quantized_bits_per_element, strict=True):
+            row.insert(3, f"{bits:.4f}")
     for column in [c for c in summary.columns if c.endswith(ACC_SUFFIX)]:
         header.append(column)
         for row, value in zip(rows, summary[column], strict=True):

@@ -52,6 +52,8 @@ def _row(record: dict, path: Path) -> dict:
         "config": _config_without_seed(config),
         "seed": quant.seed,
         "bits_per_element": record["bits_per_element"],
+        # the encoded bits alone: a long context's cost, where a protocol window's fp16 share vanishes
+        "quantized_bits_per_element": record.get("quantized_bits_per_element", record["bits_per_element"]),
         "fp_ppl": record["metrics"]["fp_ppl"],
         "ppl": record["metrics"]["ppl"],
         "dppl": record["metrics"]["dppl"],
@@ -88,6 +90,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     summary = grouped.agg(
         **accuracies,
         bits_per_element=("bits_per_element", "first"),
+        quantized_bits_per_element=("quantized_bits_per_element", "first"),
         fp_ppl=("fp_ppl", "first"),
         dppl_mean=("dppl", "mean"),
         dppl_std=("dppl", lambda s: float(s.std(ddof=0))),
