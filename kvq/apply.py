@@ -67,8 +67,11 @@ class QuantizerBank:
         return self._built[key]
 
     def bits_per_element(self, n_tokens: int) -> float:
-        """The quantizer's stated cost for one encode call of n_tokens tokens."""
-        return self.get(0, "k").bits_per_element(self.geometry.head_dim, n_tokens)
+        """The quantizers' stated cost for one encode call of n_tokens tokens, averaged over the sites
+        built so far (every site that ran, after a run; sites may differ, e.g. QJL keys vs values)."""
+        self.get(0, "k")
+        sizes = [q.bits_per_element(self.geometry.head_dim, n_tokens) for q in self._built.values()]
+        return sum(sizes) / len(sizes)
 
     def measured_bits_per_element(self) -> float | None:
         """Storage actually produced by every call so far, over all sites; None before any call."""

@@ -204,17 +204,8 @@ def load_sweep(path: str | Path) -> SweepSpec:
         lengths=tuple(lmeval_fields.get_list("lengths", int, list(lmeval_default.lengths))),
         depths=tuple(float(d) for d in lmeval_fields.get_list("depths", (int, float), list(lmeval_default.depths))),
     )
-    protocols = _protocols(top)
-    raw_grid = top.mapping.get("grid")
-    if raw_grid is None:
-        raise KvqError(f"{path}:{top.mapping.line}: field 'grid' is required")
-    grid_items = raw_grid if isinstance(raw_grid, list) else [raw_grid]
-    grids = []
-    for index, item in enumerate(grid_items):
-        if not isinstance(item, LocatedMapping):
-            top.fail("grid", "expected a mapping or a list of mappings")
-        prefix = f"grid[{index}]." if isinstance(raw_grid, list) else "grid."
-        grids.append(_grid(_Fields(path, item, prefix)))
+    protocols = [_protocol(fields_) for fields_ in _mappings(top, "protocol", default_empty=True)]
+    grids = [_grid(fields_) for fields_ in _mappings(top, "grid")]
     spec = SweepSpec(
         name=top.get("name", str, required=True),
         models=top.get_list("models", str, required=True),
@@ -239,23 +230,27 @@ def load_sweep(path: str | Path) -> SweepSpec:
     return spec
 
 
-def _protocols(top: _Fields) -> list[Protocol]:
-    """`protocol:` is one mapping or a list of them (each a separate set of cells)."""
-    raw = top.mapping.get("protocol", LocatedMapping({}, {}, top.mapping.line))
+def _mappings(top: _Fields, key: str, default_empty: bool = False) -> list[_Fields]:
+    """A top-level field given as one mapping or a list of them (each a separate set of cells)."""
+    if key not in top.mapping and not default_empty:
+        top.get(key, LocatedMapping, required=True)
+    raw = top.mapping.get(key, LocatedMapping({}, {}, top.mapping.line))
     items = raw if isinstance(raw, list) else [raw]
-    protocols = []
-    for index, item in enumerate(items):
+    if not items:
+        top.fail(key, "must not be empty")
+    for item in items:
         if not isinstance(item, LocatedMapping):
-            top.fail("protocol", "expected a mapping or a list of mappings")
-        fields_ = _Fields(top.path, item, f"protocol[{index}]." if isinstance(raw, list) else "protocol.")
-        fields_.unknown_keys(PROTOCOL_FIELDS)
-        window = fields_.get("window", int, 0)
-        if window < 0:
-            fields_.fail("window", f"must be >= 0, got {window}")
-        protocols.append(Protocol(window, fields_.get("exact_prefill", bool, False)))
-    if not protocols:
-        top.fail("protocol", "must not be empty")
-    return protocols
+            top.fail(key, "expected a mapping or a list of mappings")
+    return [_Fields(top.path, item, f"{key}[{index}]." if isinstance(raw, list) else f"{key}.")
+            for index, item in enumerate(items)]
+
+
+def _protocol(fields_: _Fields) -> Protocol:
+    fields_.unknown_keys(PROTOCOL_FIELDS)
+    window = fields_.get("window", int, 0)
+    if window < 0:
+        fields_.fail("window", f"must be >= 0, got {window}")
+    return Protocol(window, fields_.get("exact_prefill", bool, False))
 
 
 def _without_unused_fields(quant: QuantSpec) -> QuantSpec:

@@ -131,3 +131,20 @@ def test_qjl_outlier_channels_are_sketched_apart_and_stay_unbiased():
         slope = float((stacked * exact).sum() / (stacked.shape[0] * (exact**2).sum()))
         assert slope == pytest.approx(1.0, abs=0.03)
     assert errors[4] < 0.5 * errors[0]
+
+
+def test_qjl_sketch_rows_per_layer_range_and_the_banks_bits_count_every_site():
+    from kvq.apply import KVGeometry, QuantizerBank
+
+    spec = QuantSpec("qjl", 2, "per_group", 32, options={"m": 128, "initial_layers": 2, "initial_m": 256})
+    bank = QuantizerBank(spec, KVGeometry(4, 1, 64))
+    assert [bank.get(layer, "k").m for layer in range(4)] == [256, 256, 128, 128]
+    x = torch.randn(1, 1, 40, 64)
+    for layer in range(4):
+        for role in ("k", "v"):
+            bank.get(layer, role).metered_encode(x)
+    keys = [(rows + 16) / 64 for rows in (256, 256, 128, 128)]
+    values = bank.get(0, "v").bits_per_element(64, 40)  # 2-bit codes and a scale per 32 channels
+    expected = (sum(keys) + 4 * values) / 8
+    assert bank.measured_bits_per_element() == pytest.approx(expected)
+    assert bank.bits_per_element(40) == pytest.approx(expected)

@@ -127,16 +127,21 @@ QUANTIZERS.register("polar")(QuantizerEntry(_polar, seeded=True, uses=frozenset(
 
 
 def _qjl(spec: QuantSpec, site: Site) -> Quantizer:
-    """Keys: QJL sketch with m = options.m rows (default 2 d); values: the spec's scalar quantizer."""
+    """Keys: QJL sketch with m = options.m rows (default 2 d), or initial_m rows in the first
+    initial_layers layers (the official code's larger sketch for early layers); values: the spec's
+    scalar quantizer."""
     if site.role == "k":
         knobs = spec.options
-        return QJLKeys(site.d, knobs.get("m", 2 * site.d), site.seed(spec.seed), knobs.get("orthogonal", True),
+        rows = knobs.get("m", 2 * site.d)
+        if site.layer < knobs.get("initial_layers", 0):
+            rows = knobs.get("initial_m", rows)
+        return QJLKeys(site.d, rows, site.seed(spec.seed), knobs.get("orthogonal", True),
                        knobs.get("outliers", 0), knobs.get("outlier_group", 32))
     return scalar_from_spec(spec)
 
 
 QUANTIZERS.register("qjl")(QuantizerEntry(_qjl, seeded=True, options={
-    "m": int, "orthogonal": bool, "outliers": int, "outlier_group": int}))
+    "m": int, "initial_layers": int, "initial_m": int, "orthogonal": bool, "outliers": int, "outlier_group": int}))
 
 
 def build_quantizer(spec: QuantSpec, site: Site) -> Quantizer:

@@ -16,6 +16,8 @@ kvq follows in two ways beyond the paper's plain estimator:
   per-group channel sets, so these keys are decoded rather than scored in sketch space. The official
   code keeps the tokens short of a whole group exact; here they form a shorter group of their own,
   and recency is the shared protocol's window (kvq.protocol).
+- A larger sketch in the first layers (`initial_layers`, `initial_m`; the official code's
+  `initial_layers_count` and `key_quantization_bits_initial_layers`, 15 layers at m = 4d for Llama).
 Values: the official code quantizes values per token in groups of channels; kvq's qjl takes the
 spec's scalar settings for values (granularity per_group, group_size 32 is that scheme).
 """
@@ -28,6 +30,7 @@ import torch
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.sketch import SignSketch, SketchPacked
+from kvq.quant.split import channel_mask, group_outlier_channels
 
 
 @dataclass
@@ -59,20 +62,14 @@ class QJLKeys(Quantizer):
 
     def _mask(self, indices: torch.Tensor, tokens: int) -> torch.Tensor:
         """(..., groups, count) channel indices -> (..., tokens, d) bool, each token's group's outliers."""
-        mask = torch.zeros(*indices.shape[:-1], self.d, dtype=torch.bool, device=indices.device)
-        mask.scatter_(-1, indices.long(), True)
-        return mask.repeat_interleave(self.group, dim=-2)[..., :tokens, :]
+        return channel_mask(indices, self.d).repeat_interleave(self.group, dim=-2)[..., :tokens, :]
 
     def encode(self, x: torch.Tensor) -> QJLPacked:
         if not self.outliers:
             return QJLPacked(self.sketch.encode(x), None, None, tuple(x.shape), x.dtype)
         xf = x.float()
-        tokens = x.shape[-2]
-        groups = -(-tokens // self.group)
-        padded = torch.nn.functional.pad(xf, (0, 0, 0, groups * self.group - tokens))
-        norms = padded.reshape(*x.shape[:-2], groups, self.group, self.d).norm(dim=-2)
-        indices = norms.topk(self.outliers, dim=-1).indices.to(torch.uint8)
-        mask = self._mask(indices, tokens)
+        indices = group_outlier_channels(xf, self.outliers, self.group)
+        mask = self._mask(indices, x.shape[-2])
         return QJLPacked(self.sketch.encode(xf * ~mask), self.outlier_sketch.encode(xf * mask), indices,
                          tuple(x.shape), x.dtype)
 

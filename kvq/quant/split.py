@@ -37,6 +37,22 @@ class SplitPacked(Packed):
         return sum(part.storage_bits() for part in self.parts)
 
 
+def group_outlier_channels(x: torch.Tensor, count: int, group: int) -> torch.Tensor:
+    """(..., tokens, d) -> (..., ceil(tokens / group), count) uint8: per group of `group` consecutive tokens
+    (the last one possibly shorter), the `count` channels of largest norm over the group, ascending."""
+    tokens, d = x.shape[-2:]
+    groups = -(-tokens // group)
+    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, groups * group - tokens))  # zeros add no norm
+    norms = padded.reshape(*x.shape[:-2], groups, group, d).norm(dim=-2)
+    return norms.topk(count, dim=-1).indices.sort(dim=-1).values.to(torch.uint8)
+
+
+def channel_mask(indices: torch.Tensor, d: int) -> torch.Tensor:
+    """(..., count) channel indices -> (..., d) bool, true on those channels."""
+    mask = torch.zeros(*indices.shape[:-1], d, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(-1, indices.long(), True)
+
+
 def _per_token(channels: torch.Tensor, tokens: int) -> torch.Tensor:
     """(..., groups, k) channel indices -> (..., groups, tokens, k), for gather/scatter on the last dim."""
     return channels.unsqueeze(-2).expand(*channels.shape[:-1], tokens, channels.shape[-1])
@@ -53,27 +69,25 @@ class ChannelSplit(Quantizer):
 
     def _complement(self, indices: torch.Tensor) -> torch.Tensor:
         """(..., count) ascending channel indices -> (..., d - count) ascending, the other channels."""
-        chosen = torch.zeros(*indices.shape[:-1], self.d, dtype=torch.bool, device=indices.device)
-        chosen.scatter_(-1, indices, True)
-        return (~chosen).nonzero()[:, -1].view(*indices.shape[:-1], self.d - self.count)
+        return (~channel_mask(indices, self.d)).nonzero()[:, -1].view(*indices.shape[:-1], self.d - self.count)
 
-    def _encode_groups(self, x: torch.Tensor) -> SplitPart:
-        """x: (..., groups, tokens, d)."""
-        indices = x.float().norm(dim=-2).topk(self.count, dim=-1).indices.sort(dim=-1).values
-        outliers, regular = (x.gather(-1, _per_token(channels, x.shape[-2]))
-                             for channels in (indices, self._complement(indices)))
-        return SplitPart(indices.to(torch.uint8), self.outliers.encode(outliers), self.regular.encode(regular),
-                         tuple(x.shape))
+    def _encode_groups(self, x: torch.Tensor, indices: torch.Tensor) -> SplitPart:
+        """x: (..., groups, tokens, d); indices: (..., groups, count) uint8, each group's outliers."""
+        channels = indices.long()
+        outliers, regular = (x.gather(-1, _per_token(chosen, x.shape[-2]))
+                             for chosen in (channels, self._complement(channels)))
+        return SplitPart(indices, self.outliers.encode(outliers), self.regular.encode(regular), tuple(x.shape))
 
     def encode(self, x: torch.Tensor) -> SplitPacked:
         tokens = x.shape[-2]
-        whole = tokens // self.group * self.group
+        whole = tokens // self.group
+        indices = group_outlier_channels(x, self.count, self.group)
         parts = []
         if whole:
-            grouped = x[..., :whole, :].reshape(*x.shape[:-2], whole // self.group, self.group, self.d)
-            parts.append(self._encode_groups(grouped))
-        if whole < tokens:
-            parts.append(self._encode_groups(x[..., whole:, :].unsqueeze(-3)))
+            grouped = x[..., :whole * self.group, :].reshape(*x.shape[:-2], whole, self.group, self.d)
+            parts.append(self._encode_groups(grouped, indices[..., :whole, :]))
+        if whole * self.group < tokens:
+            parts.append(self._encode_groups(x[..., whole * self.group:, :].unsqueeze(-3), indices[..., whole:, :]))
         return SplitPacked(parts, x.dtype)
 
     def _decode_part(self, part: SplitPart) -> torch.Tensor:
