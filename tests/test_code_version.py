@@ -1,0 +1,82 @@
+"""code_version reads sources as code: rewording a comment or docstring keeps results current, any
+change to what runs makes them stale."""
+
+import pytest
+
+from kvq.fingerprint import _code, _measuring_files, c_code, python_code
+
+PYTHON = b'''"""Module docstring."""
+
+import math
+
+SCALE = 2.0  # why this scale
+
+
+def norm(x):
+    """What it returns."""
+    # a comment of its own line
+    return math.sqrt(x) * SCALE
+'''
+
+PYTHON_REWORDED = b'''"""Another module docstring,
+over two lines."""
+import math
+SCALE = 2.0   # reworded
+
+def norm(x):
+    """Reworded."""
+    return math.sqrt( x )*SCALE  # trailing
+'''
+
+CUDA = b'''// header comment
+#define KVQ_TILE 64  /* tile rows */
+__device__ float scale(float x) {
+    const char* tag = "a // not a comment";
+    return x * 0.5f; // half
+}
+'''
+
+CUDA_REWORDED = b'''/* reworded header
+   over lines */
+#define KVQ_TILE 64
+__device__ float scale(float x) {
+        const char* tag = "a // not a comment";
+
+    return x  *  0.5f;
+}
+'''
+
+
+def test_comments_docstrings_and_layout_leave_the_code_unchanged():
+    assert python_code(PYTHON) == python_code(PYTHON_REWORDED)
+    assert c_code(CUDA) == c_code(CUDA_REWORDED)
+
+
+@pytest.mark.parametrize("old,new", [
+    (b"SCALE = 2.0", b"SCALE = 3.0"),
+    (b"math.sqrt(x)", b"math.exp(x)"),
+    (b"    return math", b"    x = x + 1\n    return math"),
+    (b"    # a comment of its own line\n", b'    """What it returns."""\n    x = "not a docstring" + x\n'),
+])
+def test_any_change_to_what_runs_changes_the_python_code(old, new):
+    assert old in PYTHON
+    assert python_code(PYTHON.replace(old, new)) != python_code(PYTHON)
+
+
+@pytest.mark.parametrize("old,new", [
+    (b"0.5f", b"0.25f"),
+    (b"KVQ_TILE 64", b"KVQ_TILE 128"),
+    (b'"a // not a comment"', b'"a // changed"'),
+    (b"#define KVQ_TILE 64  /* tile rows */\n", b"#define KVQ_TILE 64 \\\n 2\n"),
+])
+def test_any_change_to_what_runs_changes_the_c_code(old, new):
+    assert old in CUDA
+    assert c_code(CUDA.replace(old, new)) != c_code(CUDA)
+
+
+def test_every_measuring_source_reads_as_code_and_a_comment_leaves_it_unchanged():
+    for path in _measuring_files():
+        source = path.read_bytes()
+        commented = (b"// a note\n" if path.suffix != ".py" else b"# a note\n") + source
+        assert _code(path), path
+        assert (c_code(commented) if path.suffix != ".py" else python_code(commented)) == _code(path), path
