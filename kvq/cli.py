@@ -156,6 +156,38 @@ def sweep(
     typer.echo(finding.body)
 
 
+@app.command()
+def compare(
+    config: Path = typer.Argument(..., help="sweep YAML whose cells set the order, e.g. configs/faithful_methods.yaml"),
+    second: Path = typer.Argument(..., help="the same grid on another corpus, e.g. configs/faithful_methods_gpl3.yaml"),
+    runs_dir: Path = typer.Option(Path("runs"), help="where both sweeps' cells are"),
+    device: str = device_option(),
+):
+    """Two finished sweeps side by side, per model and protocol: dPPL on each corpus and the rank
+    correlation between them (does a ranking hold on a second text?). Markdown on stdout."""
+    from kvq.records import RecordBook
+    from kvq.report import corpus_agreement
+    from kvq.results import load_files
+    from kvq.sweep import sweep_dir, sweep_status
+    from kvq.sweep_spec import load_sweep
+
+    frames, names = [], []
+    for path in (config, second):
+        spec = load_sweep(path)
+        states = [s for s in sweep_status(spec, runs_dir, device) if s.cell is not None]
+        missing = [s for s in states if s.state != "current"]
+        if missing:
+            raise KvqError(f"{len(missing)} of {len(states)} cells of {spec.name} are not current "
+                           f"(first: {missing[0].cell_id}, {missing[0].detail}); run kvq sweep {path} first")
+        book = RecordBook(sweep_dir(runs_dir, spec), device)
+        frames.append(load_files(book.cell_path(s.cell) for s in states))
+        names.append(Path(spec.data.corpus).name)
+    table = corpus_agreement(*frames, *names)
+    if not table:
+        raise KvqError(f"{config} and {second} share no configuration (model, protocol and quantizer)")
+    typer.echo(table)
+
+
 def _print_status(states, directory: Path) -> None:
     for s in states:
         what = f"{s.cell.model}  seed={s.cell.quant.seed}  {s.cell.quant.label()}" if s.cell else "-"

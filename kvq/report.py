@@ -77,3 +77,41 @@ def sweep_finding(spec: SweepSpec, frame: pd.DataFrame, directory: Path, figures
     ])
     key = record_digest({"sweep": spec.name, "cells": sorted(frame.cell_id), "table": table})
     return Finding(f"{spec.name}: dPPL vs bits/element", body, key)
+
+
+def rank_correlation(a: pd.Series, b: pd.Series) -> float:
+    """Spearman's rho: the Pearson correlation of the two series' ranks (ties share their mean rank)."""
+    ranks = pd.DataFrame({"a": a.rank(), "b": b.rank()})
+    return float(ranks.a.corr(ranks.b))
+
+
+def _seeds(counts: pd.Series) -> str:
+    most = int(counts.max())
+    return f"{most} seeds" if most > 1 else "1 seed"
+
+
+def corpus_agreement(first: pd.DataFrame, second: pd.DataFrame, first_name: str, second_name: str) -> str:
+    """Per model and protocol, each configuration's dPPL on two corpora side by side (mean ± std over the
+    seeds each holds, and as % of fp PPL), rows by encoded bits, then the rank correlation of dPPL
+    between the corpora over the configurations both hold: does an order seen on one text hold on another?"""
+    columns = ["model", "protocol", "label", "quantized_bits_per_element", "bits_per_element", "fp_ppl",
+               "dppl_mean", "dppl_std", "seeds"]
+    merged = summarize(first)[columns].merge(summarize(second)[columns], on=["model", "protocol", "label"],
+                                             suffixes=("", "_2"))
+    sections = []
+    for (model, protocol), rows in merged.groupby(["model", "protocol"], sort=False):
+        rows = rows.sort_values(["quantized_bits_per_element", "dppl_mean"])
+        header = ["method", "encoded bits/elem", "stored bits/elem", f"dPPL {first_name} ({_seeds(rows.seeds)})",
+                  "% of fp", f"dPPL {second_name} ({_seeds(rows.seeds_2)})", "% of fp"]
+        table = [[r.label, f"{r.quantized_bits_per_element:.3f}", f"{r.bits_per_element:.3f}",
+                  f"{r.dppl_mean:+.3f}" + (f" ± {r.dppl_std:.3f}" if r.seeds > 1 else " (one cell)"),
+                  f"{100 * r.dppl_mean / r.fp_ppl:+.1f}%", f"{r.dppl_mean_2:+.3f}"
+                  + (f" ± {r.dppl_std_2:.3f}" if r.seeds_2 > 1 else ""), f"{100 * r.dppl_mean_2 / r.fp_ppl_2:+.1f}%"]
+                 for r in rows.itertuples()]
+        rho = rank_correlation(rows.dppl_mean, rows.dppl_mean_2)
+        sections.append("\n".join([
+            f"### {model}, protocol {protocol} (fp PPL {rows.fp_ppl.iloc[0]:.3f} / {rows.fp_ppl_2.iloc[0]:.3f})", "",
+            markdown_table(header, table), "",
+            f"Spearman rank correlation of dPPL between the corpora over these {len(rows)} configurations: {rho:.3f}",
+        ]))
+    return "\n\n".join(sections)

@@ -15,7 +15,7 @@ from kvq.quant import QuantSpec
 from kvq.store import read_json
 
 CELL_FORMAT_PREFIX = "kvq-cell/"  # every format version holds the fields read here
-SERIES_KEYS = ["model", "mode", "quantizer", "granularity", "series", "label", "config"]
+SERIES_KEYS = ["model", "mode", "protocol", "quantizer", "granularity", "series", "label", "config"]
 
 
 ACC_SUFFIX = " acc"

@@ -21,6 +21,7 @@ INPUTS = {
     "seq.yaml": SPEC.replace("seq_len: 32", "seq_len: 1"),
     "not-yaml.yaml": "name: t\nmodels: [a\n",
     "corpus.bin": bytes(range(256)) * 64,
+    "spec.yaml": SPEC,
 }
 NO_MODEL = [
     (["sweep"], "Missing argument 'config'"),
@@ -42,6 +43,8 @@ NO_MODEL = [
     (["sweep", "seq.yaml"], "field 'data.seq_len': too small"),
     (["sweep", "not-yaml.yaml"], "invalid YAML"),
     (["plot", "no-such-dir"], "no finished cells under no-such-dir"),
+    (["compare", "int-option.yaml", "seq.yaml"], "field 'grid.options': int has no option 'S'"),
+    (["compare", "spec.yaml", "spec.yaml"], "1 of 1 cells of t are not current"),
     (["ppl", "--model", "/no/such/model/dir"], "built-in models: smollm2-135m"),
 ]
 WITH_MODEL = [
