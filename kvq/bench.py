@@ -30,8 +30,8 @@ PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.
                   "A100-SXM4-80GB": 2.039e12, "A100-SXM4-40GB": 1.555e12}
 
 
-# GPU clock cycles (~100 us) a graph-replay sample spins before its start event: longer than the host
-# takes to submit the replay, so the timed span holds the graph's kernels only (see time_call).
+# GPU clock cycles a graph-replay sample spins before its start event: longer than the host takes to
+# submit the replay, so the timed span holds the graph's kernels only (see time_call).
 LAUNCH_COVER_CYCLES = 200_000
 
 
@@ -40,8 +40,7 @@ def time_call(fn: Callable[[], object], device: str, repeats: int = 20, warmup: 
     """Median seconds per call. graph=True (CUDA) captures fn once and times graph replays: the GPU time
     of its kernels without Python launch cost, which is what a kernel comparison is about. Each replay
     queues behind a GPU spin, as Triton's do_bench queues each call behind a cache flush: on an idle GPU
-    the start event fires at once and the span would also hold the host's submission of the replay
-    (RESULTS.md item 21)."""
+    the start event fires at once and the span would also hold the host's submission of the replay."""
     for _ in range(warmup):
         fn()
     graphed = graph and device.startswith("cuda")
@@ -94,7 +93,7 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
     peak = peak_bandwidth(device)
     rows = []
     # The identity and SRHT rows price the rotation: the same staging, abs-max and packing with no
-    # transform and with a cheaper one (RESULTS.md item 29).
+    # transform and with a cheaper one.
     calibrated = torch.rand(d) + 0.5
     for label, rotation, granularity, lam, scale_dtype in (
             ("srft int4 per-token", SRFT, "per_token", None, "float32"),
@@ -132,7 +131,7 @@ def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group:
 
 
 # Decode reads a different layer's cache at every attention call. At 32K tokens one layer's packed
-# int4 cache (42 MB) fits in the H100's 50 MB L2, so timing one cache over and over would measure L2;
+# int4 cache (42 MB) fits in a 50 MB L2, so timing one cache over and over would measure L2;
 # each timed step cycles through this many distinct caches (fp16 and packed alike) and reports the mean.
 LAYERS = 4
 
