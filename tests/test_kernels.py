@@ -67,7 +67,7 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
 ])
 def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, window_dtype, scales, fits,
                                                                 monkeypatch):
-    monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=9))  # compute capability 9.0
+    monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=9))  # sm_90
     keys, values = (random_packed(1, 8, 4, d, 4, group, "cpu", scale_dtype=dtype) for dtype in scales)
     query = torch.zeros(1, q_heads, d, dtype=torch.float16)
     window = torch.zeros(1, 8, 2, d, dtype=window_dtype)

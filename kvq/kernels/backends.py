@@ -84,8 +84,8 @@ class CudaLaunch:
         self.threads = threads.value
 
     def __call__(self, blocks: int | tuple[int, int], args: list, programmatic: bool = False) -> None:
-        """programmatic: launched programmatically dependent on the stream's previous kernel (compute capability 9.0 on),
-        which the kernel must then await itself (griddepcontrol.wait)."""
+        """programmatic: launched programmatically dependent on the stream's previous kernel (compute
+        capability 9.0 on), which the kernel must then await itself (griddepcontrol.wait)."""
         values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                   else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_uint(a) for a in args]
         array_type = self.array_types.get(len(values))
