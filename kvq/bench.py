@@ -293,14 +293,19 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _held_bytes(cache) -> int | None:
-    """Bytes of K/V a cache holds, where its layers are plain tensors or kvq's packed layers."""
+    """Bytes of K/V a cache holds, where its layers are kvq's or transformers' plain dynamic and static
+    layers (None for transformers' quantized layers, whose packed tensors are the backends' own)."""
+    from transformers.cache_utils import DynamicLayer, QuantizedLayer, StaticLayer
+
     from kvq.cache import QuantizedKVCache, held_bytes
 
     if isinstance(cache, QuantizedKVCache):
         return cache.memory_bytes()
     layers = getattr(cache, "layers", None)
-    if not layers or not all(type(getattr(layer, "keys", None)) is torch.Tensor for layer in layers):
-        return None  # not initialised, or a layer of another kind (transformers' quantized layers)
+    plain = [isinstance(layer, (DynamicLayer, StaticLayer)) and not isinstance(layer, QuantizedLayer)
+             and isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers or ()]
+    if not plain or not all(plain):
+        return None
     return held_bytes(t for layer in layers for t in (layer.keys, layer.values))
 
 
