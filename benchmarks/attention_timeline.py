@@ -4,7 +4,7 @@ kernels`' replayed decode steps.
 
     python benchmarks/attention_timeline.py --context 32768 131072
 
-A copy of the kernel is built with %globaltimer reads (32 ns steps on the H100) stored per program; the
+A copy of the kernel is built with %globaltimer reads (in the timer.s own steps) stored per program; the
 graph-replayed step of `kvq bench kernels` (4 layers' caches back to back) then runs it in place of the
 library's. Per layer: programs, and minimum / median / maximum (loop ends and ends also the 90th
 percentile) in us from the first program's start, over the packed programs; the window program's start.
@@ -22,7 +22,7 @@ from kvq.kernels.backends import CudaLaunch
 from kvq.kernels.source import KERNEL_DIR
 
 STAMPS = 8  # per program: start, released, 4 warps' loop ends, end, unused
-MAX_SPLITS = 256  # splits per (batch, KV head) the stamp buffers hold (the H100's plan at 32 query / 8 KV heads: 65)
+MAX_SPLITS = 256  # splits per (batch, KV head) the stamp buffers hold (a 132-SM plan at 32 query / 8 KV heads: 65)
 TIMER = ('__device__ __forceinline__ unsigned long long kvq_now() { unsigned long long t; '
          'asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }\n')
 EDITS = [  # (anchor in kernels/decode_attention.cu, what replaces it)

@@ -2,7 +2,7 @@
 
     python benchmarks/decode_overhead.py --context 8192
 
-HF generate at Llama-3-8B size is host-bound on the H100, so these costs, times 32 layers, decide
+HF generate at Llama-3-8B size is host-bound on a fast GPU, so these costs, times 32 layers, decide
 whether the fused int4 cache beats an fp16 DynamicCache per token. Calls are not synchronized: the
 numbers are what the CPU spends issuing work.
 """

@@ -1,5 +1,5 @@
-"""Hopper (sm_90) SASS of the fused kernels, built without a GPU: registers, shared memory, instruction
-counts, and the opcodes of each loop. What RESULTS.md items 23 and 24 cite as the offline builds.
+"""sm_90 SASS of the fused kernels, built without a GPU: registers, shared memory, instruction
+counts, and the opcodes of each loop (the offline builds the kernel log in runs/bench/LOG.md cites).
 
     pip install triton==3.6.0 nvidia-cuda-nvrtc-cu12   # Triton's wheel carries ptxas and nvdisasm
     python benchmarks/offline_sass.py quantize --rotation srft --bits 4 --group 128

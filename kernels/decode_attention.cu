@@ -1,12 +1,12 @@
 // Split-K partials of fused int4 decode attention (kvq.kernels.decode_attention) for head_dim 128, int4
 // K and V with scale groups of 32, and up to 4 query heads per KV head: Open-TQ-Metal Alg. 1 with
 // FlashDecoding's split-K, in tensor-core fragments chosen so that packed codes become mma operands in
-// registers, with no layout change through shared memory (the Triton kernel's 828-instruction loop per
-// 64 tokens spent 40 shared-memory ops on V's and ~100 moves rebuilding the query's; RESULTS.md item 24).
+// registers, with no layout change through shared memory (Triton's layouts rebuild V's and the query's
+// operands through shared memory and register moves on every tile).
 //
 // Each program is KVQ_WARPS warps on one (batch, KV head) and one split of the packed tokens. It maps its query
-// heads into the codes' domain itself (kvq_map_query), so no map kernel runs before it: on the H100 that was
-// 1.5-1.9 us of the 32K step, though every program now reads the 32 KB map (RESULTS.md item 39). Its warps
+// heads into the codes' domain itself (kvq_map_query), so no map kernel runs before it, at the price of every
+// program reading the 32 KB map. Its warps
 // take 16-token tiles in turn, each streaming its own tiles through a private cp.async ring, and merge
 // their partial softmaxes at the end. The last split takes the residual window (exact rows) instead.
 //
@@ -41,10 +41,9 @@ typedef unsigned short ushort;
 #define KVQ_HEADS 4                       // query rows per group in the fragments
 #define KVQ_TILE 16                       // tokens per warp step
 #define KVQ_WARPS 4
-// Three programs per SM with four stages (RESULTS.md item 42): 1.2-1.7 us faster at 32K tokens on the H100 than
-// item 26's four programs with three stages, now that every program maps its query. A program fewer per SM
-// reads the 32 KB map a quarter less often, and the registers it frees (147-153 rather than 128) end the
-// loop's re-materialized addresses and constants.
+// Three programs per SM with four stages rather than four with three, now that every program maps its query:
+// a program fewer per SM reads the 32 KB map a quarter less often, and the registers it frees end the loop's
+// re-materialized addresses and constants.
 #define KVQ_STAGES 4                      // tiles a warp keeps in flight + 1
 #define KVQ_MIN_BLOCKS 3
 #define KVQ_CODES_BYTES (KVQ_TILE * KVQ_ROW_BYTES)
@@ -189,7 +188,7 @@ __device__ __forceinline__ void kvq_copy_scales(uint shared, const void* global,
 __device__ __forceinline__ uint kvq_v_row(uint token) { return token ^ ((token >> 1) & 1u); }
 __device__ __forceinline__ uint kvq_v_chunk(uint token, uint chunk) { return chunk ^ ((token >> 2) & 1u); }
 
-// Programmatic dependent launch (Hopper on; kvq.kernels.decode_attention launches these kernels plainly
+// Programmatic dependent launch (compute capability 9.0 on; kvq.kernels.decode_attention launches these kernels plainly
 // before sm_90, where the stream's order alone serializes them and griddepcontrol does not assemble).
 // kvq_launch_dependents: the stream's next kernel may launch now. kvq_await_previous_kernel: waits until the
 // previous kernel has finished and its writes are visible.
@@ -263,8 +262,8 @@ __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint s
     kvq_copy_scales(stage + plan.scale_at, scale_valid ? scales : scales - plan.scale_token * KVQ_GROUPS, scale_valid);
 }
 
-// The same for a tile wholly before `end` (all of a split's but its last): no bounds to check, no zero fill. On
-// the H100 the loop's copies took ~60 instructions per tile with the checks, ~30 without (RESULTS.md item 42).
+// The same for a tile wholly before `end` (all of a split's but its last): no bounds to check, no zero fill,
+// which halves the loop's copy instructions.
 __device__ __forceinline__ void kvq_copy16_whole(uint shared, const void* global) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(global) : "memory");
 }
@@ -628,11 +627,11 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
 // arrive in one round trip after the wait; then the slices combine through shared memory, and thread (g, t)
 // maps rows 16 g .. 16 g + 15 of the sum into column t, with its rows of output_map read before the wait.
 // The Triton reduce, one program per 32 columns, reads every split's whole row per program and combines through
-// layout changes: ~3.6 us per dependent launch on the H100 against ~1.8 for the map kernel (RESULTS.md item 26).
+// layout changes, a chain of round trips where this takes one.
 #define KVQ_REDUCE_SLICES 8
 #define KVQ_MAP_ROWS (KVQ_D / KVQ_REDUCE_SLICES)
-#define KVQ_REDUCE_UNROLL 10  // splits per slice whose loads go out together: one round trip for the H100's
-                              // 66 packed splits at 8 KV heads (more spill at 1024 threads' 64 registers)
+#define KVQ_REDUCE_UNROLL 10  // splits per slice whose loads go out together: one round trip for the splits
+                              // of a 132-SM GPU at 8 KV heads (more spill at 1024 threads' 64 registers)
 
 // e^{m - top} for a maximum m in natural units against top >= m, 0 for an empty split (m = -inf).
 __device__ __forceinline__ float kvq_weight(float m, float top) {

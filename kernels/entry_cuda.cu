@@ -1,10 +1,9 @@
 // CUDA entry points: one thread per vector, in blocks of KVQ_BLOCK threads.
 //
 // A thread's row and codes sit a whole row's stride from its neighbours', so touching them in place
-// makes every warp-wide access hit 32 cache lines with a few bytes each (the identity rotation ran at
-// 41% of HBM bandwidth, the inverse at 26%). Each warp instead moves its 32 rows between global and
-// shared memory coalesced, item i of row r at r * ITEMS + (i ^ (r & SWIZZLE(ITEMS))) in shared memory so
-// that neighbouring threads hit different banks (RESULTS.md items 13 and 15).
+// makes every warp-wide access hit 32 cache lines with a few bytes each, far below HBM bandwidth. Each warp
+// instead moves its 32 rows between global and shared memory coalesced, item i of row r at
+// r * ITEMS + (i ^ (r & SWIZZLE(ITEMS))) in shared memory so that neighbouring threads hit different banks.
 
 #define KVQ_SWIZZLE(items, limit) ((items) < (limit) ? (items) - 1 : (limit) - 1)
 
@@ -15,9 +14,8 @@
 #define KVQ_STAGE_OUT (KVQ_BLOCK * KVQ_OUT_CHUNKS * 16 <= 32768)
 
 // A warp stages its own rows and waits on nothing wider than itself: it starts computing as soon as its
-// rows land, while the block's other warps may still wait for theirs. (Same-run A/B on the H100 against
-// block-wide staging between barriers: g32 + lambda 59.7-59.8% of peak bandwidth vs 57.8-58.0%,
-// per-token 64.9-65.7% vs 64.7-65.2%, the inverse ~1.5% faster; RESULTS.md item 24.)
+// rows land, while the block's other warps may still wait for theirs (block-wide staging between barriers
+// would hold every warp to the slowest).
 #define KVQ_WARP 32
 
 // Coalesced copy of a warp's first `valid_rows` rows (of 32) of ITEMS items of T between global memory
@@ -47,7 +45,7 @@ __device__ __forceinline__ void kvq_copy_some_rows(T* global, T* tile, uint vali
 
 // A whole warp's rows copy without bounds checks: one predicate per item outnumbers the predicate
 // registers, and saving and restoring them, with each swizzled address computed afresh, made the two
-// copies ~400 of the kernel's 2960 SASS instructions (RESULTS.md item 23).
+// copies a large share of the kernel's instructions.
 template <typename T, uint ITEMS, uint LIMIT, bool INTO_TILE>
 __device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_rows) {
     if (valid_rows >= KVQ_WARP) kvq_copy_some_rows<T, ITEMS, LIMIT, INTO_TILE, true>(global, tile, valid_rows);
@@ -58,9 +56,8 @@ __device__ __forceinline__ void kvq_copy_rows(T* global, T* tile, uint valid_row
 // (the host passes ~0.6 of the rows the SMs hold at once), which starts about when this one finishes: that
 // warp then finds its rows in L2 instead of waiting on HBM, and HBM stays busy while the SMs compute.
 // Without it the first wave's blocks all loaded, then all computed with HBM idle, and every later block
-// waited on HBM before computing. (Same-process A/B on the H100, 262144 x 128 fp16, SRFT per-token: 69.6-71.0%
-// of peak bandwidth at 0.55-0.67 of a wave ahead against 65.3-66.0% without; sent before the warp's own
-// loads, 59.9-61.5%; RESULTS.md item 30.) Builds that read rows in place (no staging) do not prefetch: unmeasured.
+// waited on HBM before computing. The prefetch goes after the warp's own loads, which must not queue behind
+// it. Builds that read rows in place (no staging) do not prefetch: unmeasured.
 __device__ __forceinline__ void kvq_prefetch_rows(const KVQ_IN_T* x, uint first, uint ahead, uint n) {
     if (threadIdx.x % KVQ_WARP == 0 && ahead && first < n && ahead < n - first) {
         uint rows = min((uint)KVQ_WARP, n - first - ahead);

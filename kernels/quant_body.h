@@ -128,8 +128,7 @@ KVQ_DEVICE_FN void kvq_fwht(KVQ_THREAD float* y) {
 
 // The SRFT's constant factors (the spectrum packing's 1/2 and sqrt 2, the 1 / sqrt D norm) ride on the
 // scales, one multiply per scale group, so that the packing spends one fma per output: R x =
-// KVQ_ROTATION_NORM * kvq_rotate_forward(x) and R^T y = kvq_rotate_inverse(KVQ_ROTATION_NORM * y). (~60 of
-// the quantize's ~2330 instructions per vector and ~380 of the inverse's; RESULTS.md item 29.)
+// KVQ_ROTATION_NORM * kvq_rotate_forward(x) and R^T y = kvq_rotate_inverse(KVQ_ROTATION_NORM * y).
 #define KVQ_ROTATION_NORM (KVQ_ROT == 2 ? 1.0f / kvq_sqrt(2.0f * KVQ_D) : 1.0f)
 
 // Z = FFT(z) with z_t = x_{2t} + i x_{2t+1} sits in y (re | im); replace it by the Eq. 2 packing of

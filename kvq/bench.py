@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -30,8 +31,8 @@ PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.
                   "A100-SXM4-80GB": 2.039e12, "A100-SXM4-40GB": 1.555e12}
 
 
-# GPU clock cycles (~100 us) a graph-replay sample spins before its start event: longer than the host
-# takes to submit the replay, so the timed span holds the graph's kernels only (see time_call).
+# GPU clock cycles a graph-replay sample spins before its start event: longer than the host takes to
+# submit the replay, so the timed span holds the graph's kernels only (see time_call).
 LAUNCH_COVER_CYCLES = 200_000
 
 
@@ -40,8 +41,7 @@ def time_call(fn: Callable[[], object], device: str, repeats: int = 20, warmup: 
     """Median seconds per call. graph=True (CUDA) captures fn once and times graph replays: the GPU time
     of its kernels without Python launch cost, which is what a kernel comparison is about. Each replay
     queues behind a GPU spin, as Triton's do_bench queues each call behind a cache flush: on an idle GPU
-    the start event fires at once and the span would also hold the host's submission of the replay
-    (RESULTS.md item 21)."""
+    the start event fires at once and the span would also hold the host's submission of the replay."""
     for _ in range(warmup):
         fn()
     graphed = graph and device.startswith("cuda")
@@ -94,7 +94,7 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
     peak = peak_bandwidth(device)
     rows = []
     # The identity and SRHT rows price the rotation: the same staging, abs-max and packing with no
-    # transform and with a cheaper one (RESULTS.md item 29).
+    # transform and with a cheaper one.
     calibrated = torch.rand(d) + 0.5
     for label, rotation, granularity, lam, scale_dtype in (
             ("srft int4 per-token", SRFT, "per_token", None, "float32"),
@@ -132,7 +132,7 @@ def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group:
 
 
 # Decode reads a different layer's cache at every attention call. At 32K tokens one layer's packed
-# int4 cache (42 MB) fits in the H100's 50 MB L2, so timing one cache over and over would measure L2;
+# int4 cache (42 MB) fits in a 50 MB L2, so timing one cache over and over would measure L2;
 # each timed step cycles through this many distinct caches (fp16 and packed alike) and reports the mean.
 LAYERS = 4
 
@@ -215,26 +215,103 @@ def llama3_8b_like():
                        max_position_embeddings=131072)
 
 
-def _transformers_quantized_cache(config):
-    """transformers' own QuantizedCache when a backend (quanto or hqq) is installed, else None."""
-    from transformers import QuantizedCache
+class CacheUnavailable(Exception):
+    """A compared cache that cannot run here; its row says why instead of a time."""
 
-    for backend in ("quanto", "hqq"):
+
+@dataclass(frozen=True)
+class DecodeCache:
+    """One row kind of `kvq bench decode`: `setup(model, batch, max_tokens)` returns generate's keyword
+    arguments for one run (a fresh cache, or the name of one generate builds), or raises CacheUnavailable."""
+
+    name: str  # what --caches takes
+    label: str
+    precision: str  # "fp16" rows are what a user would otherwise run; the best of them is the yardstick
+    setup: Callable[..., dict]
+
+
+def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
+    from kvq.apply import QuantizerBank, kv_geometry
+    from kvq.cache import QuantizedKVCache
+    from kvq.quant import QuantSpec
+
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(model.config))
+    return {"past_key_values": QuantizedKVCache(bank, model.config, fused=True)}
+
+
+def _kvq_int4_static(model, batch: int, max_tokens: int) -> dict:
+    raise CacheUnavailable("kvq has no static (compilable) quantized cache yet")
+
+
+def _transformers_quantized(backend: str) -> Callable[..., dict]:
+    def setup(model, batch: int, max_tokens: int) -> dict:
+        from transformers import QuantizedCache
+
         try:
-            return QuantizedCache(backend=backend, config=config, nbits=4)
-        except Exception:  # the backend's package is missing: this baseline is skipped, and reported so
-            continue
-    return None
+            return {"past_key_values": QuantizedCache(backend=backend, config=model.config, nbits=4)}
+        except Exception as exc:  # a missing or incompatible backend package: the row says which
+            raise CacheUnavailable(f"transformers QuantizedCache({backend}): {_one_line(exc)}") from exc
+
+    return setup
 
 
-def _cache_bytes(cache) -> int | None:
+def _fp16_dynamic(model, batch: int, max_tokens: int) -> dict:
     from transformers import DynamicCache
 
-    from kvq.cache import QuantizedKVCache, dynamic_cache_bytes
+    return {"past_key_values": DynamicCache(config=model.config)}
+
+
+def _fp16_static_compiled(model, batch: int, max_tokens: int) -> dict:
+    if model.device.type != "cuda":
+        raise CacheUnavailable("generate compiles a static cache's decode step on CUDA only")
+    return {"cache_implementation": "static"}  # generate builds it and compiles the decode step
+
+
+DECODE_CACHES = (  # the first is the paired ratios' baseline
+    DecodeCache("fp16-dynamic", "fp16 DynamicCache eager", "fp16", _fp16_dynamic),
+    DecodeCache("fp16-static-compiled", "fp16 StaticCache compiled", "fp16", _fp16_static_compiled),
+    DecodeCache("kvq-int4", "kvq fused int4 g32 eager", "int4", _kvq_int4),
+    DecodeCache("kvq-int4-static-compiled", "kvq int4 static compiled", "int4", _kvq_int4_static),
+    DecodeCache("quanto-int4", "transformers QuantizedCache quanto int4", "int4", _transformers_quantized("quanto")),
+    DecodeCache("hqq-int4", "transformers QuantizedCache hqq int4", "int4", _transformers_quantized("hqq")),
+)
+
+
+def decode_caches(names: tuple[str, ...] | None = None) -> tuple[DecodeCache, ...]:
+    if names is None:
+        return DECODE_CACHES
+    known = {cache.name: cache for cache in DECODE_CACHES}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise KvqError(f"unknown decode cache {unknown[0]!r}; known: {', '.join(known)}")
+    return tuple(known[name] for name in names)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _held_bytes(cache) -> int | None:
+    """Bytes of K/V a cache holds, where its layers are kvq's or transformers' plain dynamic and static
+    layers (None for transformers' quantized layers, whose packed tensors are the backends' own)."""
+    from transformers.cache_utils import DynamicLayer, QuantizedLayer, StaticLayer
+
+    from kvq.cache import QuantizedKVCache, held_bytes
 
     if isinstance(cache, QuantizedKVCache):
         return cache.memory_bytes()
-    return dynamic_cache_bytes(cache) if type(cache) is DynamicCache else None
+    layers = getattr(cache, "layers", None)
+    plain = [isinstance(layer, (DynamicLayer, StaticLayer)) and not isinstance(layer, QuantizedLayer)
+             and isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers or ()]
+    if not plain or not all(plain):
+        return None
+    return held_bytes(t for layer in layers for t in (layer.keys, layer.values))
+
+
+def _fp16_kv_bytes(config, batch: int, tokens: int) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * batch * 2
 
 
 class _StepClock:
@@ -251,20 +328,35 @@ class _StepClock:
         return scores
 
 
-def _generate_steps(model, cache, prompt: torch.Tensor, tokens: int) -> tuple[float, list[float]]:
-    """(seconds to the first token, seconds of each later step)."""
+@dataclass
+class _Run:
+    prefill_s: float
+    steps_s: list[float]
+    held_bytes: int | None
+    peak_bytes: int | None
+
+
+def generate_run(model, kwargs: dict, prompt: torch.Tensor, tokens: int) -> _Run:
+    """One greedy generate of `tokens` tokens with generate's keyword arguments `kwargs` (the cache)."""
     from transformers import LogitsProcessorList
 
     from kvq.cache import QuantizedKVCache, fused_decoding
 
+    cache = kwargs.get("past_key_values")
     routing = fused_decoding(model, cache) if isinstance(cache, QuantizedKVCache) else nullcontext()
     clock = _StepClock(prompt.device)
+    cuda = prompt.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(prompt.device)
     with torch.no_grad(), routing:
         _synchronize(prompt.device)
         began = time.perf_counter()
-        model.generate(prompt, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                       logits_processor=LogitsProcessorList([clock]))
-    return clock.times[0] - began, [b - a for a, b in itertools.pairwise(clock.times)]
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                       min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                       **kwargs)
+    held = _held_bytes(cache if cache is not None else getattr(model, "_cache", None))
+    peak = torch.cuda.max_memory_allocated(prompt.device) if cuda else None
+    return _Run(clock.times[0] - began, [b - a for a, b in itertools.pairwise(clock.times)], held, peak)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -272,75 +364,115 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode_rows(model, factories: dict, prompt: torch.Tensor, new_tokens: int, repeats: int) -> list[dict]:
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, new_tokens: int,
+                 repeats: int) -> list[dict]:
     """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
-    one untimed generate of the same length (allocator and kernel warm-up); then the caches take turns
-    run by run, with Python's garbage collector held off, so drift in the host's speed (runs of one
-    cache vary by 2x on a shared host) falls on all of them alike."""
-    for make in factories.values():
-        _generate_steps(model, make(), prompt, new_tokens)
-    runs = {label: [] for label in factories}  # (seconds to the first token, step seconds) per run
-    held = {}
+    one untimed generate of the same length (allocator and kernel warm-up, and a compiled row's
+    compilation); then the caches take turns run by run, with Python's garbage collector held off, so
+    drift in the host's speed (runs of one cache vary by 2x on a shared host) falls on all of them alike.
+    A cache that cannot run (unavailable here, or out of memory) gives a row that says why."""
+    batch, length = prompt.shape
+    max_tokens = length + new_tokens
+    where = {"prompt": length, "batch": batch}
+    skipped, ready = [], []
+    for cache in caches:
+        try:
+            generate_run(model, cache.setup(model, batch, max_tokens), prompt, new_tokens)
+            ready.append(cache)
+        except CacheUnavailable as exc:
+            skipped.append({**where, "cache": cache.label, "skipped": str(exc)})
+        except torch.OutOfMemoryError:
+            skipped.append({**where, "cache": cache.label, "skipped": f"out of memory at batch {batch}"})
+        _release(prompt.device)
+    runs: dict[str, list[_Run]] = {cache.label: [] for cache in ready}
     collecting = gc.isenabled()
     gc.disable()
     try:
         for _ in range(repeats):
-            for label, make in factories.items():
-                held[label] = make()
-                runs[label].append(_generate_steps(model, held[label], prompt, new_tokens))
+            for cache in ready:
+                runs[cache.label].append(generate_run(model, cache.setup(model, batch, max_tokens), prompt,
+                                                       new_tokens))
     finally:
         if collecting:
             gc.enable()
-    run_medians = {label: [statistics.median(steps) * 1e3 for _, steps in runs[label]] for label in factories}
-    baseline = run_medians[next(iter(factories))]
-    return [{"prompt": prompt.shape[-1], "cache": label,
-             "ms_per_token": statistics.median(step for _, steps in runs[label] for step in steps) * 1e3,
-             "ms_per_token_mean": statistics.mean(step for _, steps in runs[label] for step in steps) * 1e3,
-             "ms_per_token_runs": run_medians[label],
-             # runs of one repeat are adjacent in time, so their ratio cancels most of the host's drift
-             "paired_ratio_to_first": statistics.median(a / b for a, b in zip(run_medians[label], baseline,
-                                                                               strict=True)),
-             "prefill_s": statistics.median(first for first, _ in runs[label]),
-             "cache_bytes": _cache_bytes(held[label])} for label in factories]
+    run_medians = {label: [statistics.median(run.steps_s) * 1e3 for run in timed] for label, timed in runs.items()}
+    baseline = run_medians[ready[0].label] if ready else []
+    rows = []
+    for cache in ready:
+        timed = runs[cache.label]
+        steps = [step for run in timed for step in run.steps_s]
+        held = timed[-1].held_bytes
+        rows.append({
+            **where, "cache": cache.label, "precision": cache.precision,
+            "ms_per_token": statistics.median(steps) * 1e3, "ms_per_token_mean": statistics.mean(steps) * 1e3,
+            "ms_per_token_runs": run_medians[cache.label],
+            # runs of one repeat are adjacent in time, so their ratio cancels most of the host's drift
+            "paired_ratio_to_first": statistics.median(a / b for a, b in zip(run_medians[cache.label], baseline,
+                                                                              strict=True)),
+            "prefill_s": statistics.median(run.prefill_s for run in timed),
+            "cache_bytes": held,
+            # K/V a step reads: what the cache holds, or for an fp16 cache of unknown layout the prompt's fp16 K/V
+            "kv_read_bytes": held if held is not None else (
+                _fp16_kv_bytes(model.config, batch, length) if cache.precision == "fp16" else None),
+            "peak_bytes": max((run.peak_bytes for run in timed if run.peak_bytes is not None), default=None),
+        })
+    return rows + skipped
 
 
-def decode_model_and_caches(device: str, config) -> tuple[torch.nn.Module, dict]:
-    """A random-weight fp16 Llama of `config` on `device`, and factories of the two caches compared:
-    fp16 DynamicCache first (the paired ratios' baseline), then the fused int4 g32 cache."""
-    from transformers import DynamicCache, LlamaForCausalLM
+def _weight_read_bytes(model) -> int:
+    """Weights a decode step reads: every parameter but the input embedding, of which it reads a row."""
+    embedding = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
 
-    from kvq.apply import QuantizerBank, kv_geometry
-    from kvq.cache import QuantizedKVCache
-    from kvq.quant import QuantSpec
+
+def _with_floors(rows: list[dict], weight_bytes: int, bandwidth: float | None) -> list[dict]:
+    """Each row's bandwidth floor (weights + K/V read per step at the measured copy rate), its time's ratio
+    to that floor, and its speed against the fastest fp16 row of the same prompt and batch."""
+    best_fp16 = {}
+    for row in rows:
+        if row.get("precision") == "fp16":
+            key = (row["prompt"], row["batch"])
+            best_fp16[key] = min(best_fp16.get(key, float("inf")), row["ms_per_token"])
+    for row in rows:
+        if "skipped" in row:
+            continue
+        floor = (weight_bytes + row["kv_read_bytes"]) / bandwidth * 1e3 if bandwidth and row["kv_read_bytes"] else None
+        row["floor_ms"] = floor
+        row["ratio_to_floor"] = row["ms_per_token"] / floor if floor else None
+        best = best_fp16.get((row["prompt"], row["batch"]))
+        row["speedup_vs_best_fp16"] = best / row["ms_per_token"] if best else None
+    return rows
+
+
+def decode_model(device: str, config) -> torch.nn.Module:
+    """A random-weight fp16 Llama of `config` on `device` (speed does not depend on the weights)."""
+    from transformers import LlamaForCausalLM
 
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.float16).eval()
-    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(config))
-    return model, {
-        "fp16 DynamicCache": lambda: DynamicCache(config=config),
-        "kvq fused int4 g32": lambda: QuantizedKVCache(bank, config, fused=True),
-    }
+        return LlamaForCausalLM._from_config(config, dtype=torch.float16).eval()
 
 
-def bench_decode(device: str, prompts=(1024, 8192, 32768), new_tokens: int = 32, config=None,
-                 repeats: int = 9) -> dict:
-    """HF generate ms/token per cache at each prompt length (see _decode_rows)."""
-    config = config or llama3_8b_like()
-    model, factories = decode_model_and_caches(device, config)
-    skipped = {}
-    if _transformers_quantized_cache(config) is None:
-        skipped["transformers QuantizedCache int4"] = "no quantization backend (quanto or hqq) installed"
-    else:
-        factories["transformers QuantizedCache int4"] = lambda: _transformers_quantized_cache(config)
+def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, config=None, repeats: int = 9,
+                 batches=(1,), caches: tuple[DecodeCache, ...] = DECODE_CACHES) -> dict:
+    """HF generate ms/token per cache at each prompt length and batch (see _decode_rows), on a random-weight
+    fp16 Llama of `config` (Llama-3-8B's by default)."""
+    model = decode_model(device, config or llama3_8b_like())
+    config = model.config
+    bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
     rows = []
-    for length in prompts:
-        prompt = torch.randint(0, config.vocab_size, (1, length), device=device)
-        rows += _decode_rows(model, factories, prompt, new_tokens, repeats)
-        rows += [{"prompt": length, "cache": label, "skipped": why} for label, why in skipped.items()]
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    for batch in batches:
+        for length in prompts:
+            prompt = torch.randint(0, config.vocab_size, (batch, length), device=device)
+            rows += _decode_rows(model, caches, prompt, new_tokens, repeats)
+            _release(prompt.device)
     return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
-            "rows": rows}
+            "copy_bandwidth_Bps": bandwidth, "rows": _with_floors(rows, _weight_read_bytes(model), bandwidth)}
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -378,13 +510,21 @@ def kernels_tables(result: dict) -> str:
 def decode_table(result: dict) -> str:
     from kvq.ledger import markdown_table
 
+    mib = 2**20
     rows = []
     for r in result["rows"]:
         if "skipped" in r:
-            rows.append([str(r["prompt"]), r["cache"], "skipped: " + r["skipped"], "-", "-", "-", "-"])
+            rows.append([str(r["prompt"]), str(r["batch"]), r["cache"], "skipped: " + r["skipped"]] + ["-"] * 8)
             continue
-        memory = r["cache_bytes"] / 2**20 if r["cache_bytes"] is not None else None
-        rows.append([str(r["prompt"]), r["cache"], _fmt(r["ms_per_token"], 2), _fmt(r["ms_per_token_mean"], 2),
-                     _fmt(r["paired_ratio_to_first"], 3), _fmt(r["prefill_s"], 2), _fmt(memory)])
-    return markdown_table(["prompt", "cache", "ms/token (median)", "ms/token (mean)",
-                           "time vs fp16, paired runs (median)", "prefill s", "cache MiB"], rows)
+        rows.append([str(r["prompt"]), str(r["batch"]), r["cache"], _fmt(r["ms_per_token"], 2),
+                     _fmt(r["ms_per_token_mean"], 2), _fmt(r["paired_ratio_to_first"], 3),
+                     _fmt(r["speedup_vs_best_fp16"], 2) + "x" if r["speedup_vs_best_fp16"] else "-",
+                     _fmt(r["floor_ms"], 2), _fmt(r["ratio_to_floor"], 2), _fmt(r["prefill_s"], 2),
+                     _fmt(r["cache_bytes"] / mib if r["cache_bytes"] is not None else None),
+                     _fmt(r["peak_bytes"] / mib if r["peak_bytes"] is not None else None)])
+    copy = result.get("copy_bandwidth_Bps")
+    floor = ("Floor: (weights read per step + the K/V the cache holds) / the measured device copy rate "
+             f"({copy / 1e12:.2f} TB/s)." if copy else "No bandwidth floor off CUDA.")
+    return floor + "\n\n" + markdown_table(
+        ["prompt", "batch", "cache", "ms/token (median)", "ms/token (mean)", "time vs first row, paired (median)",
+         "speed vs best fp16", "floor ms", "x floor", "prefill s", "cache MiB", "peak MiB"], rows)

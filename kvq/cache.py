@@ -114,7 +114,7 @@ class PackedStore:
     memory stays within 6.25% of what the codes need (int4 g32 keeps its ~3.2x over fp16). The first
     allocation (the prefill) keeps MIN_GROWTH tokens spare: otherwise the first flush of decoding
     would reallocate at once, and a reallocation costs a copy of the prefix and a new decode graph
-    for every layer (~25 ms for 32 layers on the H100 host)."""
+    for every layer."""
 
     GROWTH = 1.0625
     MIN_GROWTH = 64  # tokens: short caches do not reallocate at every flush

@@ -388,21 +388,29 @@ def bench_kernels(
 
 @bench_app.command("decode")
 def bench_decode(
-    prompts: str = typer.Option("1024,8192,32768", help="prompt lengths"),
+    prompts: str = typer.Option("8192,32768,131072", help="prompt lengths"),
+    batches: str = typer.Option("1,8", help="batch sizes; a row that does not fit says so"),
+    caches: str = typer.Option("", help="comma-separated subset of: fp16-dynamic, fp16-static-compiled, kvq-int4, "
+                                        "kvq-int4-static-compiled, quanto-int4, hqq-int4 (default: all)"),
     new_tokens: int = typer.Option(32),
     repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
     out: Path = typer.Option(Path("runs/bench")),
     results: Path = typer.Option(Path("RESULTS.md")),
     device: str = device_option(),
 ):
-    """HF generate ms/token: fp16 DynamicCache vs kvq fused int4 cache (Llama-3-8B shapes, random weights)."""
+    """HF generate ms/token per cache (fp16 eager and compiled, kvq int4, transformers' quantized caches),
+    with each row's bandwidth floor (Llama-3-8B shapes, random weights)."""
     from kvq import bench
 
     if new_tokens < 2:
         raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
     if repeats < 1:
         raise KvqError(f"--repeats must be at least 1, got {repeats}")
-    result = bench.bench_decode(device, tuple(int(x) for x in _floats(prompts)), new_tokens, repeats=repeats)
+    chosen = bench.decode_caches(tuple(caches.split(",")) if caches else None)
+    lengths, sizes = (tuple(int(x) for x in _floats(text)) for text in (prompts, batches))
+    if min(lengths) < 1 or min(sizes) < 1:
+        raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
+    result = bench.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen)
     _record_bench("decode", result, bench.decode_table(result), device, out, results)
 
 

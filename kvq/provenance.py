@@ -16,8 +16,9 @@ import torch
 from kvq.errors import KvqError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+DISTRIBUTION = "kvq-harness"  # kvq's name on PyPI, where "kvq" is another project
 # Packages whose version can move a measured number (kernel back ends included); absent ones read None.
-VERSIONED = ("kvq", "torch", "transformers", "lm_eval", "datasets", "numpy", "triton", "gguf", "accelerate")
+VERSIONED = (DISTRIBUTION, "torch", "transformers", "lm_eval", "datasets", "numpy", "triton", "gguf", "accelerate")
 # What the git state covers beside the package: the kernel sources and the build file (a results
 # ledger or run folder written in the same checkout is output, not code).
 SOURCE_SIBLINGS = ("kernels", "pyproject.toml")
@@ -50,7 +51,7 @@ def git_state() -> dict:
     `installed` names the installed version."""
     root = _checkout_root()
     if root is None:
-        return {"commit": None, "dirty": None, "installed": _version("kvq")}
+        return {"commit": None, "dirty": None, "installed": _version(DISTRIBUTION)}
     commit = _git("rev-parse", "HEAD", cwd=root)
     package = PACKAGE_DIR.relative_to(root)
     paths = [package.as_posix(), *((package.parent / sibling).as_posix() for sibling in SOURCE_SIBLINGS)]
@@ -59,10 +60,10 @@ def git_state() -> dict:
 
 
 def describe_source(git: dict) -> str:
-    """One line for a ledger item: 'commit `abc` (dirty)' or 'installed kvq 0.1.0'."""
+    """One line for a ledger item: 'commit `abc` (dirty)' or 'installed kvq-harness 0.1.0'."""
     if git.get("commit"):
         return f"commit `{git['commit']}`" + (" (dirty)" if git.get("dirty") else "")
-    return f"installed kvq {git.get('installed')}"
+    return f"installed {DISTRIBUTION} {git.get('installed')}"
 
 
 @cache

@@ -1,21 +1,51 @@
 """`kvq bench decode` end to end on a tiny random Llama (CPU: the fused cache takes the reference path)."""
 
+import pytest
 from transformers import LlamaConfig
 
 from kvq import bench
 
 
-def test_bench_decode_times_each_step_of_each_cache():
+def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_run():
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, vocab_size=256)
-    result = bench.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2)
-    timed = {row["cache"]: row for row in result["rows"] if "skipped" not in row}
-    assert {"fp16 DynamicCache", "kvq fused int4 g32"} <= set(timed)
-    for row in timed.values():
-        assert len(row["ms_per_token_runs"]) == 2
-        assert min(row["ms_per_token_runs"]) <= row["ms_per_token"] <= max(row["ms_per_token_runs"])
-        assert row["prefill_s"] > 0 and row["cache_bytes"] > 0 and row["ms_per_token_mean"] > 0
-    ratios = [a / b for a, b in zip(timed["kvq fused int4 g32"]["ms_per_token_runs"],
-                                    timed["fp16 DynamicCache"]["ms_per_token_runs"], strict=True)]
-    assert timed["fp16 DynamicCache"]["paired_ratio_to_first"] == 1.0
-    assert min(ratios) <= timed["kvq fused int4 g32"]["paired_ratio_to_first"] <= max(ratios)
+    result = bench.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2, batches=(1, 2))
+    for batch in (1, 2):
+        rows = [row for row in result["rows"] if row["batch"] == batch]
+        assert {row["cache"] for row in rows} == {cache.label for cache in bench.DECODE_CACHES}
+        timed = {row["cache"]: row for row in rows if "skipped" not in row}
+        skipped = {row["cache"]: row["skipped"] for row in rows if "skipped" in row}
+        assert {"fp16 DynamicCache eager", "kvq fused int4 g32 eager"} <= set(timed)
+        assert "CUDA only" in skipped["fp16 StaticCache compiled"]
+        assert "no static" in skipped["kvq int4 static compiled"]
+        for row in timed.values():
+            assert len(row["ms_per_token_runs"]) == 2
+            assert min(row["ms_per_token_runs"]) <= row["ms_per_token"] <= max(row["ms_per_token_runs"])
+            assert row["prefill_s"] > 0 and row["ms_per_token_mean"] > 0
+            assert row["floor_ms"] is None and row["peak_bytes"] is None  # no copy rate or allocator stats on CPU
+        fp16, kvq = timed["fp16 DynamicCache eager"], timed["kvq fused int4 g32 eager"]
+        # the fp16 cache holds every token's K and V in fp16 (the last token's are never written)
+        assert fp16["cache_bytes"] == fp16["kv_read_bytes"] == bench._fp16_kv_bytes(config, batch, 40 + 5 - 1)
+        assert kvq["cache_bytes"] == kvq["kv_read_bytes"] > 0
+        ratios = [a / b for a, b in zip(kvq["ms_per_token_runs"], fp16["ms_per_token_runs"], strict=True)]
+        assert fp16["paired_ratio_to_first"] == 1.0 and fp16["speedup_vs_best_fp16"] == 1.0
+        assert min(ratios) <= kvq["paired_ratio_to_first"] <= max(ratios)
+        assert kvq["speedup_vs_best_fp16"] == pytest.approx(fp16["ms_per_token"] / kvq["ms_per_token"])
+    assert "skipped: " in bench.decode_table(result)
+
+
+def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_best_fp16_row():
+    rows = [{"prompt": 8, "batch": 1, "cache": "a", "precision": "fp16", "ms_per_token": 4.0, "kv_read_bytes": 1e9},
+            {"prompt": 8, "batch": 1, "cache": "b", "precision": "fp16", "ms_per_token": 2.0, "kv_read_bytes": 1e9},
+            {"prompt": 8, "batch": 1, "cache": "c", "precision": "int4", "ms_per_token": 1.0, "kv_read_bytes": 2.5e8},
+            {"prompt": 8, "batch": 1, "cache": "d", "skipped": "why"}]
+    a, b, c, d = bench._with_floors(rows, weight_bytes=3e9, bandwidth=1e12)
+    assert a["floor_ms"] == pytest.approx(4.0) and c["floor_ms"] == pytest.approx(3.25)
+    assert a["ratio_to_floor"] == pytest.approx(1.0) and c["ratio_to_floor"] == pytest.approx(1 / 3.25)
+    assert [r["speedup_vs_best_fp16"] for r in (a, b, c)] == pytest.approx([0.5, 1.0, 2.0])
+    assert "floor_ms" not in d
+
+
+def test_unknown_decode_cache_is_an_error_naming_it():
+    with pytest.raises(Exception, match="unknown decode cache 'fp8'"):
+        bench.decode_caches(("kvq-int4", "fp8"))

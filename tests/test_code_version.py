@@ -52,26 +52,20 @@ def test_comments_docstrings_and_layout_leave_the_code_unchanged():
     assert c_code(CUDA) == c_code(CUDA_REWORDED)
 
 
-@pytest.mark.parametrize("old,new", [
-    (b"SCALE = 2.0", b"SCALE = 3.0"),
-    (b"math.sqrt(x)", b"math.exp(x)"),
-    (b"    return math", b"    x = x + 1\n    return math"),
-    (b"    # a comment of its own line\n", b'    """What it returns."""\n    x = "not a docstring" + x\n'),
+@pytest.mark.parametrize("read,source,old,new", [
+    (python_code, PYTHON, b"SCALE = 2.0", b"SCALE = 3.0"),
+    (python_code, PYTHON, b"math.sqrt(x)", b"math.exp(x)"),
+    (python_code, PYTHON, b"    return math", b"    x = x + 1\n    return math"),
+    (python_code, PYTHON, b"    # a comment of its own line\n",
+     b'    """What it returns."""\n    x = "not a docstring" + x\n'),
+    (c_code, CUDA, b"0.5f", b"0.25f"),
+    (c_code, CUDA, b"KVQ_TILE 64", b"KVQ_TILE 128"),
+    (c_code, CUDA, b'"a // not a comment"', b'"a // changed"'),
+    (c_code, CUDA, b"#define KVQ_TILE 64  /* tile rows */\n", b"#define KVQ_TILE 64 \\\n 2\n"),
 ])
-def test_any_change_to_what_runs_changes_the_python_code(old, new):
-    assert old in PYTHON
-    assert python_code(PYTHON.replace(old, new)) != python_code(PYTHON)
-
-
-@pytest.mark.parametrize("old,new", [
-    (b"0.5f", b"0.25f"),
-    (b"KVQ_TILE 64", b"KVQ_TILE 128"),
-    (b'"a // not a comment"', b'"a // changed"'),
-    (b"#define KVQ_TILE 64  /* tile rows */\n", b"#define KVQ_TILE 64 \\\n 2\n"),
-])
-def test_any_change_to_what_runs_changes_the_c_code(old, new):
-    assert old in CUDA
-    assert c_code(CUDA.replace(old, new)) != c_code(CUDA)
+def test_any_change_to_what_runs_changes_the_code(read, source, old, new):
+    assert old in source
+    assert read(source.replace(old, new)) != read(source)
 
 
 def test_every_measuring_source_reads_as_code_and_a_comment_leaves_it_unchanged():

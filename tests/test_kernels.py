@@ -67,7 +67,7 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
 ])
 def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, window_dtype, scales, fits,
                                                                 monkeypatch):
-    monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=9))  # an H100
+    monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=9))  # sm_90
     keys, values = (random_packed(1, 8, 4, d, 4, group, "cpu", scale_dtype=dtype) for dtype in scales)
     query = torch.zeros(1, q_heads, d, dtype=torch.float16)
     window = torch.zeros(1, 8, 2, d, dtype=window_dtype)
@@ -86,7 +86,7 @@ def test_cuda_kernels_serve_from_sm_80_on(major, builds, monkeypatch):
     assert not decode_attention._cuda_reduce_fits(torch.zeros(1, 32, 64, dtype=torch.float16))  # KVQ_D is 128
 
 
-@pytest.mark.parametrize("programs", [396, 528])  # the H100's 132 SMs x 3 (CUDA partial) or 4 programs
+@pytest.mark.parametrize("programs", [396, 528])  # 132 SMs x 3 (CUDA partial) or 4 programs
 @pytest.mark.parametrize("heads", [1, 5, 7, 8, 24, 40, 600])
 @pytest.mark.parametrize("tokens", [1, 63, 4096, 32768, 131075])
 def test_split_plan_stays_within_the_programs_the_sms_hold(heads, tokens, programs):

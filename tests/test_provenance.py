@@ -60,7 +60,7 @@ def test_outside_a_checkout_the_installed_version_stands_in(tmp_path, elsewhere)
 
     for where in (copy_package(tmp_path / "plain"), copy_package(elsewhere / "vendored")):
         record, stderr = provenance_of(where, elsewhere)
-        assert record["git"] == {"commit": None, "dirty": None, "installed": metadata.version("kvq")}
+        assert record["git"] == {"commit": None, "dirty": None, "installed": metadata.version("kvq-harness")}
         assert stderr == ""
 
 

@@ -70,8 +70,8 @@ MAX_THREADS_PER_BLOCK = 0  # CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
 
 class CudaLaunch:
     """cuLaunchKernel for a function torch.cuda._compile_kernel built. torch's own launcher reopens the
-    driver library, makes a ctypes array class and a Stream object at every call: ~80 us of host time
-    per launch on the H100 host, paid twice at every window flush of every layer of the fused cache.
+    driver library, makes a ctypes array class and a Stream object at every call, host time paid twice
+    at every window flush of every layer of the fused cache.
     Tensors pass as pointers, floats as float, ints as 32-bit unsigned (the kernels' uint parameters).
     `threads`: the block size the kernel declares in its __launch_bounds__, which every launch uses."""
 
@@ -84,8 +84,8 @@ class CudaLaunch:
         self.threads = threads.value
 
     def __call__(self, blocks: int | tuple[int, int], args: list, programmatic: bool = False) -> None:
-        """programmatic: launched programmatically dependent on the stream's previous kernel (Hopper on),
-        which the kernel must then await itself (griddepcontrol.wait)."""
+        """programmatic: launched programmatically dependent on the stream's previous kernel (compute
+        capability 9.0 on), which the kernel must then await itself (griddepcontrol.wait)."""
         values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                   else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_uint(a) for a in args]
         array_type = self.array_types.get(len(values))
@@ -130,8 +130,8 @@ def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, 
 
 
 # How far ahead, in the rows the SMs hold at once, each quantize warp prefetches rows into L2
-# (kernels/entry_cuda.cu's kvq_prefetch_rows). On the H100, 0.5-0.67 were level within noise, 1/3 and
-# 0.8 slower, and 4/3 slower than no prefetch (RESULTS.md item 30).
+# (kernels/entry_cuda.cu's kvq_prefetch_rows): far enough that the rows land before the warp reaches them,
+# near enough that they are still in L2 (runs/bench/LOG.md has the sweep).
 PREFETCH_WAVES = 0.6
 
 

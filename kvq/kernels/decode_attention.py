@@ -20,16 +20,16 @@ The partials come from kernels/decode_attention.cu (CUDA, through NVRTC) where t
 kernels`' shapes), at every sequence length; from the Triton _partial_kernel otherwise. Its fragment layouts
 turn codes into tensor-core operands in registers, which Triton's layouts do not allow (see its header), and
 each of its programs maps its own query (an mma per warp on the map in fragment_order), which spares the step
-the map kernel: 1.5-1.9 us per step at 32K tokens on the H100 (RESULTS.md item 39). The Triton step maps the query
+the map kernel's launch and its round trip through memory. The Triton step maps the query
 once, in its own kernel (inside every Triton program the d x d product cost more GPU time than it saved host
 time).
 
 The step's kernels (map, partials, reduce; or partials and reduce) are launched programmatically dependent on
-Hopper, so each one's launch overlaps the kernel before it (_await_previous_kernel).
+compute capability 9.0, so each one's launch overlaps the kernel before it (_await_previous_kernel).
 
 At head_dim 128 the reduce pass is kernels/decode_attention.cu's kvq_decode_reduce, after either partial
-kernel: all of a query head's partials in one round trip (on the H100, 0.1-1.0 us per step faster than the
-Triton _reduce_kernel from 2K to 128K tokens, 0.5 us slower at 1K with fp16 scales; RESULTS.md items 36-37).
+kernel: all of a query head's partials in one round trip, where the Triton _reduce_kernel (kept for other
+head sizes) needs a chain of loads per split.
 
 `decode_attention` dispatches to these kernels on CUDA and to `decode_attention_reference` (dequantize to
 the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
@@ -62,13 +62,12 @@ MAP_COLUMNS = 32  # output columns per program of the query map and the reduce: 
 
 @dataclass
 class LaunchConfig:
-    """Tile and pipelining choices. Defaults: benchmarks/attention_configs.py's sweeps on an H100 (Llama-3-8B
-    shapes, int4 g32). Block and warps from item 15's; 4 stages (three tiles in flight) from item 21's, 4-6%
-    faster than 3 at 8K and 32K and 2% at 128K, where 5 or more leave shared memory for too few programs.
-    Each SM is bound by the loads its programs keep in flight, not by HBM: the step's time fell with every
-    program per SM added (item 21). The sequence is split into as many programs as the SMs hold at once
-    (waves=None; from the compiled kernel's registers and shared memory): one program per SM more or fewer
-    cost 5-7% at 32K and ~20% at 128K (RESULTS.md item 18)."""
+    """Tile and pipelining choices; the defaults are the fastest of benchmarks/attention_configs.py's sweeps
+    (Llama-3-8B shapes, int4 g32; runs/bench/LOG.md has the measurements). Four stages keep three tiles in
+    flight; more leave shared memory for too few programs. Each SM is bound by the loads its programs keep in
+    flight, not by HBM, so the sequence is split into as many programs as the SMs hold at once (waves=None;
+    from the compiled kernel's registers and shared memory): a program per SM more queues behind the others,
+    one fewer leaves loads unissued."""
 
     block: int = 64
     num_warps: int = 2
@@ -179,8 +178,7 @@ if triton is not None:
         rows of HALF * BITS // 4 bytes); int4 keys come biased (_BIASED_NIBBLES_TO_F16). For values the
         conversion is marked impure, which pins it where it is written: Triton otherwise moves the tile's
         layout change ahead of it, to shift bytes rather than halves, and as V's products run over tokens
-        that gathers the bytes one at a time from shared memory (a quarter more instructions per tile in
-        the H100 build)."""
+        that gathers the bytes one at a time from shared memory."""
         pairs = tl.arange(0, HALF)
         row_bytes: tl.constexpr = HALF * BITS // 4
         if BITS == 4:
@@ -343,7 +341,7 @@ if triton is not None:
 
     @triton.jit
     def _await_previous_kernel(PDL: tl.constexpr):
-        """With programmatic dependent launch (Hopper on), a kernel may start while the one before it in
+        """With programmatic dependent launch (compute capability 9.0 on), a kernel may start while the one before it in
         the stream still runs, once that one's programs have all started: the launch and the setup below
         overlap it. Its programs then block here until it has finished and its writes are visible, so
         every read of an earlier kernel's output, and every write, must come after this call."""
@@ -390,11 +388,9 @@ if triton is not None:
         tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
-# The CUDA partial kernel serves every sequence length its shapes fit: with three programs per SM its step was
-# the faster at every length timed against Triton's on the H100 (RESULTS.md item 42, 1K-12K; us per step: 7.1
-# against 9.0-9.5 at 1K, 9.3-9.4 against 9.8-10.0 at 4K, 11.4-12.1 against 11.9-12.8 at 8K, 13.6-13.7
-# against 15.6-16.1 at 12K; from 12K on it was already the faster with four programs per SM, item 39).
-# Item 39's Triton window from 3K to 12K went with the four-program build.
+# The CUDA partial kernel serves every sequence length its shapes fit: its step was the faster at every length
+# timed against Triton's (runs/bench/LOG.md), because it maps the query inside and turns codes into tensor-core
+# operands in registers.
 CUDA_HEAD_DIM = 128  # kernels/decode_attention.cu's KVQ_D
 
 
@@ -515,10 +511,8 @@ def _resident_programs_of(build, device: torch.device) -> int:
 def _split_plan(n_packed: int, programs_per_split: int, resident: int, device: torch.device) -> tuple[int, int]:
     """(splits over the packed tokens, tokens per split): as many packed programs as fill every SM `resident`
     times (LAUNCH.waves times where set), and never more: a program past what the SMs hold at once starts only
-    when another ends, then streams its whole split alone at the end. (Rounding the splits up planned 532
-    packed programs for 7 KV heads over 128K tokens: 66.6-67.2 us per step on the H100 with fp16 scales,
-    against 56.1-56.3 us for the 518 of rounding down; RESULTS.md item 35.) Each head's window program comes
-    on top: it is short, and takes the first slot that frees."""
+    when another ends, then streams its whole split alone at the end; so the splits round down. Each head's
+    window program comes on top: it is short, and takes the first slot that frees."""
     target = (LAUNCH.waves or resident) * _properties(device).multi_processor_count
     return split_counts(n_packed, programs_per_split, target, LAUNCH.block)
 
@@ -667,9 +661,8 @@ class DecodeGraph:
     """decode_attention for one cache layer, replayed as a CUDA graph.
 
     A host-bound generate loop pays each eager call's host time per layer per token: three Triton
-    launches with their argument handling, 70-130 us on the H100 host, where an fp16 layer's cat +
-    SDPA takes 40-70 us and a replay of the same three kernels 16-33 us (benchmarks/decode_overhead.py,
-    RESULTS.md item 17; the host's speed drifts between runs). It takes whole buffers and the token
+    launches with their argument handling cost more host time than an fp16 layer's cat + SDPA, and a
+    replay of the same kernels less (benchmarks/decode_overhead.py measures both). It takes whole buffers and the token
     counts, which the kernels read from a device tensor that the graph itself steps by one token, so the
     graph is captured again only when a buffer, the maps, the scale or the query's shape change (a packed
     store grows every ~6% of its length). The returned tensor is the graph's output buffer: valid until

@@ -19,9 +19,8 @@ ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
 KERNEL_BITS = (4, 8)
 KERNEL_SCALE_DTYPES = (torch.float32, torch.float16)
 THREADS_PER_GROUP = 128  # Metal threadgroups; one vector per thread
-# CUDA blocks: one warp, twelve to an SM (kernels/entry_cuda.cu). With each warp prefetching the rows of
-# the warp ~0.6 of a wave on, one-warp blocks ran 70.8-71.3% of peak bandwidth against 69.8-70.9% for
-# four-warp blocks, in two same-process A/Bs (SRFT per-token, 262144 x 128 fp16, H100; RESULTS.md item 30).
+# CUDA blocks: one warp, twelve to an SM (kernels/entry_cuda.cu). Each warp prefetches the rows of the warp
+# ~0.6 of a wave on, so a warp never waits on its block's others; wider blocks measured no faster.
 CUDA_BLOCK = 32
 
 
@@ -72,8 +71,8 @@ class KernelPlan:
 
     @cached_property
     def define_items(self) -> tuple[tuple[str, int | str], ...]:
-        """defines() as the kernel caches' key, made once: formatting the twiddle table took ~75 us of
-        host time per call, paid at every flush of the fused cache."""
+        """defines() as the kernel caches' key, made once: formatting the twiddle table is host time
+        that would otherwise be paid at every flush of the fused cache."""
         return tuple(self.defines().items())
 
     def defines(self) -> dict[str, int | str]:
