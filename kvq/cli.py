@@ -339,7 +339,7 @@ def retrieval(
     git = git_state()
     body = "\n".join([
         f"Command: `kvq {' '.join(sys.argv[1:])}`",
-        f"Source: {describe_source(git)}; {len(frame)} samples per method is "
+        f"Source: {describe_source(git)}; {len(frame) // len(records)} samples per method is "
         f"{len(spec.lengths)} lengths x {len(spec.depths)} depths x {samples}; greedy decoding.",
         "", "Accuracy (mean over depths):", "", table, "",
         f"JSON: `{out}/{model}-{task}-*.json`", "Figure: " + ", ".join(f"`{p}`" for p in figures),

@@ -12,7 +12,8 @@ from pathlib import Path
 from kvq.locks import exclusive
 
 HEADING = re.compile(r"^## (\d+)\. ", re.MULTILINE)
-PREAMBLE = "# kvq results\n\nNumbered findings, each appended by `kvq sweep` (or by hand). Never edit old items.\n"
+PREAMBLE = ("# kvq results\n\nNumbered findings, each appended by `kvq sweep`, `kvq bench` or `kvq retrieval` (or by "
+            "hand); an item is not edited once written, a later one supersedes it.\n")
 
 
 def _key_marker(key: str) -> str:

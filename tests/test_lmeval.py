@@ -78,3 +78,14 @@ def test_cli_writes_git_tagged_json(tmp_path):
     record = json.loads(out.read_text())
     assert record["quant"]["quantizer"] == "srft" and len(record["samples"]["kvq_passkey"]) == 2
     assert "commit" in record["git"] and "kvq_passkey: acc" in done.stdout
+
+
+def test_retrieval_finding_counts_the_samples_of_each_method(tmp_path):
+    from conftest import run_kvq
+
+    ledger = tmp_path / "RESULTS.md"
+    done = run_kvq("retrieval", "--model", "smollm2-135m", "--quant", "fp", "--quant", "int:4", "--lengths", "256",
+                   "--depths", "0,1", "--out", str(tmp_path / "out"), "--results", str(ledger))
+    assert done.returncode == 0, done.stderr
+    assert len(list((tmp_path / "out").glob("*.json"))) == 2
+    assert "2 samples per method is 1 lengths x 2 depths x 1" in ledger.read_text()
