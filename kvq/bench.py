@@ -310,8 +310,10 @@ def _held_bytes(cache) -> int | None:
 
 
 def _fp16_kv_bytes(config, batch: int, tokens: int) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * batch * 2
+    from kvq.apply import kv_geometry
+
+    geometry = kv_geometry(config)
+    return 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * tokens * batch * 2
 
 
 class _StepClock:
