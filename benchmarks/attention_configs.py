@@ -1,21 +1,21 @@
 """Sweep the Triton decode attention's launch choices on a GPU and print us/step per configuration (with the
-Triton partial kernel throughout, also where kernels/decode_attention.cu would serve).
+Triton partial kernel throughout, also where csrc/decode_attention.cu would serve).
 
     python benchmarks/attention_configs.py --context 32768
 
 Shapes are Llama-3-8B's (32 query / 8 KV heads, d=128), int4 with g32 scales; the timing is CUDA-graph
 replay over distinct layers' caches, as `kvq bench kernels`. Put the winner in
-kvq.kernels.decode_attention.LaunchConfig.
+kvq.kernels.launch.LAUNCH_TABLE under the device's compute capability.
 """
 
 import argparse
 import itertools
-from functools import partial
 
 import torch
 
 from kvq.bench import packed_layers, time_per_layer
-from kvq.kernels import decode_attention
+from kvq.kernels.decode_attention import DecodeStep, decode_attention
+from kvq.kernels.launch import LaunchConfig
 
 
 def main() -> None:
@@ -28,12 +28,15 @@ def main() -> None:
         window = torch.randn(1, 8, 8, 128, device="cuda", dtype=torch.float16)
         query = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
         maps = torch.linalg.qr(torch.randn(128, 128, device="cuda"))[0]
-        step = partial(decode_attention.decode_attention, query, maps)
-        tail = (window, window, maps.T, 128 ** -0.5)
         for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4), (1, 2, 3, 4, 5), (None, 2, 4, 8)):
-            decode_attention.LAUNCH = decode_attention.LaunchConfig(block, warps, stages, waves, partial="triton")
+            launch = LaunchConfig(block, warps, stages, waves, partial="triton")
+
+            def step(keys, values, launch=launch, query=query, window=window, maps=maps):
+                return decode_attention(query, DecodeStep(keys, values, (window, window), maps, maps.T), 128 ** -0.5,
+                                        launch)
+
             try:
-                seconds = time_per_layer(lambda k, v, step=step, tail=tail: step(k, v, *tail), caches, "cuda")
+                seconds = time_per_layer(step, caches, "cuda")
             except Exception as error:  # a configuration that does not fit is skipped, and said so
                 print(f"T={tokens} block={block} warps={warps} stages={stages} waves={waves}: {type(error).__name__}")
                 continue

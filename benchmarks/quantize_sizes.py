@@ -10,7 +10,7 @@ inputs.
 
 import torch
 
-from kvq import kernels
+from kvq import ops
 from kvq.bench import peak_bandwidth, quantize_bytes, time_call
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
@@ -36,11 +36,11 @@ def main() -> None:
         quantizer = RotatedQuantizer(rotation, ScalarQuantizer(4, "per_token"))
         for vectors in [wave * k for k in range(1, 7)] + [BENCH_VECTORS, 1 << 20]:
             x = torch.randn(vectors, D, device="cuda", dtype=torch.float16)
-            us = best_us(lambda q=quantizer, x=x: kernels.encode(q, x))
+            us = best_us(lambda q=quantizer, x=x: ops.encode(q, x))
             print(f"{name} {vectors} vectors ({vectors / wave:.2f} waves): {us:.2f} us, "
                   f"{moved_bytes(vectors) / (us * 1e-6) / peak:.1%} of peak")
         inputs = [torch.randn(BENCH_VECTORS, D, device="cuda", dtype=torch.float16) for _ in range(4)]
-        us = best_us(lambda q=quantizer, xs=inputs: [kernels.encode(q, x) for x in xs]) / len(inputs)
+        us = best_us(lambda q=quantizer, xs=inputs: [ops.encode(q, x) for x in xs]) / len(inputs)
         print(f"{name} {BENCH_VECTORS} vectors, 4 distinct inputs per replay: {us:.2f} us per call, "
               f"{moved_bytes(BENCH_VECTORS) / (us * 1e-6) / peak:.1%} of peak")
     source = torch.empty(moved_bytes(BENCH_VECTORS) // 2, dtype=torch.uint8, device="cuda")

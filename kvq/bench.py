@@ -13,14 +13,13 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from kvq import kernels
+from kvq import kernels, ops
 from kvq.errors import KvqError
-from kvq.kernels.decode_attention import PackedKV, decode_attention, packed_read_bytes
+from kvq.kernels.decode_attention import DecodeStep, PackedKV, decode_attention, packed_read_bytes
 from kvq.quant.packing import pack
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
@@ -106,11 +105,11 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
                                      lam)
         groups = 1 if granularity == "per_token" else d // group
         moved = quantize_bytes(vectors, d, groups, SCALE_DTYPES[scale_dtype].itemsize)
-        fused = time_call(lambda q=quantizer: kernels.encode(q, x), device, graph=True)
-        eager = time_call(lambda q=quantizer: kernels.encode(q, x), device)
+        fused = time_call(lambda q=quantizer: ops.encode(q, x), device, graph=True)
+        eager = time_call(lambda q=quantizer: ops.encode(q, x), device)
         reference = time_call(lambda q=quantizer: q.encode(x), device, repeats=5)
-        packed = kernels.encode(quantizer, x)
-        inverse = time_call(lambda q=quantizer, p=packed: kernels.decode(q, p), device, graph=True)
+        packed = ops.encode(quantizer, x)
+        inverse = time_call(lambda q=quantizer, p=packed: ops.decode(q, p), device, graph=True)
         rows.append({
             "kernel": label, "vectors": vectors, "d": d, "bytes_moved": moved,
             "fused_ns_per_vector": fused / vectors * 1e9, "fused_GBps": moved / fused / 1e9,
@@ -159,8 +158,13 @@ def attention_step(device: str, tokens: int, q_heads: int, kv_heads: int, d: int
     window = torch.randn(1, kv_heads, 8, d, device=device, dtype=torch.float16)
     q16 = torch.randn(1, q_heads, 1, d, device=device, dtype=torch.float16)
     rotation = quantizer.rotation.matrix().to(device)
-    step = partial(decode_attention, q16.squeeze(-2), rotation.T.contiguous())
-    return quantizer, caches, q16, lambda keys, values: step(keys, values, window, window, rotation, d ** -0.5)
+    query_map = rotation.T.contiguous()
+
+    def step(keys: PackedKV, values: PackedKV) -> torch.Tensor:
+        return decode_attention(q16.squeeze(-2), DecodeStep(keys, values, (window, window), query_map, rotation),
+                                d ** -0.5)
+
+    return quantizer, caches, q16, step
 
 
 def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int, group: int,
@@ -175,7 +179,7 @@ def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int
     del fp16
 
     def dequantize_then_sdpa(keys, values):
-        k, v = (kernels.decode(quantizer, p.as_packed(torch.float16)).to(torch.float16) for p in (keys, values))
+        k, v = (ops.decode(quantizer, p.as_packed(torch.float16)) for p in (keys, values))
         return F.scaled_dot_product_attention(q16, k, v, enable_gqa=True)
 
     dequant = time_per_layer(dequantize_then_sdpa, caches, device)

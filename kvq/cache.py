@@ -7,11 +7,11 @@ is quantized as one chunk. Sliding-window layers (Gemma-3) stay DynamicCache lay
 update costs O(chunk) decode work rather than O(prefix); without it nothing but packed data and the
 window is held and every step decodes the whole prefix.
 
-`fused=True` swaps full-attention layers for FusedLayer: packed K/V live in growable buffers written
-by the fused quantize kernel, no dequantized prefix is kept, and decode steps (one new token) attend
-straight from the packed codes through kvq.kernels.decode_attention once `fused_decoding(model, cache)`
-routes the model's attention there. Prefill and any step the fused path cannot serve see the
-dequantized prefix plus the exact window, as QuantizedLayer returns.
+`fused=True` swaps full-attention layers for FusedLayer: packed K/V live in growable buffers in the
+quantizers' declared PackedLayout, written by kvq.ops.quantize, no dequantized prefix is kept, and decode
+steps (one new token) attend straight from the packed codes through the fused decode attention once
+`fused_decoding(model, cache)` routes the model's attention there. Prefill and any step the fused path
+cannot serve see the dequantized prefix plus the exact window, as QuantizedLayer returns.
 """
 
 from collections.abc import Iterator
@@ -21,13 +21,15 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvq import kernels
+from kvq import ops
 from kvq.apply import QuantizerBank, attention_modules
 from kvq.attention import FUSED_ATTENTION, switch_attention
 from kvq.errors import KvqError
-from kvq.kernels.decode_attention import DecodeGraph, PackedKV
+from kvq.kernels.decode_attention import DecodeStep, PackedKV
+from kvq.kernels.decode_graph import DecodeGraph
+from kvq.kernels.plan import packed_codes
 from kvq.quant.base import Packed
-from kvq.quant.rotated import RotatedPacked, RotatedQuantizer
+from kvq.quant.layout import PackedForm
 
 
 def tensor_bytes(packed: Packed) -> int:
@@ -108,7 +110,7 @@ class QuantizedLayer(WindowedLayer):
 
 
 class PackedStore:
-    """One role's codes (B, H, capacity, bytes) and scales (B, H, capacity, groups).
+    """One role's codes (B, H, capacity, bytes) and scales (B, H, capacity, groups) in a PackedLayout.
 
     Capacity grows geometrically, so appends cost amortized O(new tokens), but by only 1/16 so held
     memory stays within 6.25% of what the codes need (int4 g32 keeps its ~3.2x over fp16). The first
@@ -119,16 +121,15 @@ class PackedStore:
     GROWTH = 1.0625
     MIN_GROWTH = 64  # tokens: short caches do not reallocate at every flush
 
-    def __init__(self, quantizer: RotatedQuantizer, head_dim: int, lead_shape: tuple[int, ...],
-                 device: torch.device):
+    def __init__(self, form: PackedForm, lead_shape: tuple[int, ...], device: torch.device):
         """lead_shape: (batch, heads). The buffers start empty, so a prompt shorter than the window
         decodes from the window alone."""
-        bits = quantizer.inner.bits
-        groups, _ = quantizer.inner.grouping(head_dim)
+        layout = form.layout
+        self.form = form
         # whole capacity (decode graphs take it); the first `length` rows are filled
-        self.buffers = PackedKV(torch.empty(*lead_shape, 0, head_dim * bits // 8, dtype=torch.uint8, device=device),
-                                torch.empty(*lead_shape, 0, groups, dtype=quantizer.inner.scale_dtype, device=device),
-                                bits, head_dim)
+        self.buffers = PackedKV(torch.empty(*lead_shape, 0, layout.code_bytes, dtype=torch.uint8, device=device),
+                                torch.empty(*lead_shape, 0, layout.groups, dtype=layout.scale_dtype, device=device),
+                                layout.bits, layout.head_dim)
         self.length = 0
 
     @staticmethod
@@ -137,8 +138,7 @@ class PackedStore:
         grown[..., :length, :] = buffer[..., :length, :]
         return grown
 
-    def append(self, packed: RotatedPacked) -> None:
-        codes, scales = packed.inner.codes, packed.inner.scale.squeeze(-1)
+    def append(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         end = self.length + codes.shape[-2]
         held = self.buffers.codes.shape[-2]
         if end > held:
@@ -161,18 +161,17 @@ class DomainMaps:
     """Matrices between a layer's model domain and its quantizers' rotated, lambda-scaled domains.
 
     With y = lam * (R x) the quantized coordinates: q . k = (q R^T / lam) . y_k, and
-    sum_i p_i v_i = (sum_i p_i y_v,i / lam) R (kvq.kernels.decode_attention applies both).
+    sum_i p_i v_i = (sum_i p_i y_v,i / lam) R (the fused decode attention applies both).
     """
 
-    def __init__(self, key_quantizer: RotatedQuantizer, value_quantizer: RotatedQuantizer, device: torch.device):
-        def parts(quantizer):
-            rotation = quantizer.rotation.matrix().to(device)
-            if quantizer.lam is None:
-                return rotation, torch.ones(rotation.shape[0], device=device)
-            return rotation, quantizer._lam(rotation)
+    def __init__(self, key_form: PackedForm, value_form: PackedForm, device: torch.device):
+        def parts(form: PackedForm):
+            rotation = form.matrix.to(device)
+            lam = form.lam.to(device) if form.lam is not None else torch.ones(rotation.shape[0], device=device)
+            return rotation, lam
 
-        key_rotation, key_lam = parts(key_quantizer)
-        value_rotation, value_lam = parts(value_quantizer)
+        key_rotation, key_lam = parts(key_form)
+        value_rotation, value_lam = parts(value_form)
         self.query = (key_rotation.T / key_lam).contiguous()
         self.output = (value_rotation / value_lam[:, None]).contiguous()
 
@@ -181,9 +180,9 @@ class FusedLayer(WindowedLayer):
     def __init__(self, bank: QuantizerBank, layer: int, residual: int):
         super().__init__(bank, layer, residual)
         for quantizer in self.quantizers.values():
-            reason = kernels.packing_reason(quantizer)
-            if reason:
-                raise KvqError(reason)
+            if quantizer.packed_form() is None:
+                raise KvqError(f"the fused cache stores packed layouts only: {quantizer.packing_reason()}")
+        self.forms = {role: quantizer.packed_form() for role, quantizer in self.quantizers.items()}
         self.stores: dict[str, PackedStore] = {}
         self.raw: dict[str, torch.Tensor] = {}
         self.slots: list[list[torch.Tensor]] = []  # per window row: its (K, V) views
@@ -197,10 +196,10 @@ class FusedLayer(WindowedLayer):
 
     def lazy_initialization(self, key_states, value_states=None):
         super().lazy_initialization(key_states, value_states)
-        self.maps = DomainMaps(self.quantizers["k"], self.quantizers["v"], key_states.device)
+        self.maps = DomainMaps(self.forms["k"], self.forms["v"], key_states.device)
         lead, d = key_states.shape[:-2], key_states.shape[-1]
-        for role, quantizer in self.quantizers.items():
-            self.stores[role] = PackedStore(quantizer, d, lead, key_states.device)
+        for role, form in self.forms.items():
+            self.stores[role] = PackedStore(form, lead, key_states.device)
             self.raw[role] = key_states.new_empty(*lead, self.window, d)
         self.slots = [[self.raw[role].narrow(-2, row, 1) for role in ("k", "v")] for row in range(self.window)]
 
@@ -236,7 +235,10 @@ class FusedLayer(WindowedLayer):
         flush = total - total % self.window
         if flush:
             for role in ("k", "v"):
-                self.stores[role].append(kernels.metered_encode(self.quantizers[role], pending[role][..., :flush, :]))
+                chunk = pending[role][..., :flush, :]
+                codes, scales = ops.quantize(chunk, self.forms[role])
+                self.stores[role].append(codes, scales)
+                self.quantizers[role].meter(packed_codes(codes, scales, chunk.shape, chunk.dtype), chunk.numel())
             if total > flush:
                 self._write_window(0, pending["k"][..., flush:, :], pending["v"][..., flush:, :])
         self.count = total - flush
@@ -253,7 +255,8 @@ class FusedLayer(WindowedLayer):
         for role, store in self.stores.items():
             window = self.raw[role][..., :self.count, :]
             if store.length:
-                prefix = kernels.decode(self.quantizers[role], store.view().as_packed(window.dtype)).to(window.dtype)
+                packed = store.view()
+                prefix = ops.dequantize(packed.codes, packed.scales, self.forms[role], window.dtype)
                 window = torch.cat([prefix, window], dim=-2)
             out.append(window)
         return out[0], out[1]
@@ -262,8 +265,9 @@ class FusedLayer(WindowedLayer):
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
         keys, values = self.stores["k"], self.stores["v"]
         writes, self.unwritten = self.unwritten or ([], []), None
-        out = self.decode_graph(query.squeeze(-2), self.maps.query, keys.buffers, values.buffers, self.raw["k"],
-                                self.raw["v"], self.maps.output, scaling, keys.length, self.count, writes)
+        step = DecodeStep(keys.buffers, values.buffers, (self.raw["k"], self.raw["v"]), self.maps.query,
+                          self.maps.output)
+        out = self.decode_graph(query.squeeze(-2), step, scaling, (keys.length, self.count), writes)
         self.fused_steps += 1
         return out.unsqueeze(1)
 

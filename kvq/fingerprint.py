@@ -38,12 +38,9 @@ def _sha(*chunks: bytes) -> str:
 
 
 def _measuring_files() -> list[Path]:
-    from kvq.kernels.source import KERNEL_DIR
-
     files = [p for p in PACKAGE_DIR.rglob("*.py")
              if p.relative_to(PACKAGE_DIR).as_posix() not in PRESENTATION_MODULES]
-    if KERNEL_DIR.is_dir():
-        files += [p for p in KERNEL_DIR.rglob("*") if p.is_file()]
+    files += [p for p in (PACKAGE_DIR / "kernels" / "csrc").rglob("*") if p.is_file()]
     return sorted(files)
 
 

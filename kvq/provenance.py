@@ -19,9 +19,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 DISTRIBUTION = "kvq-harness"  # kvq's name on PyPI, where "kvq" is another project
 # Packages whose version can move a measured number (kernel back ends included); absent ones read None.
 VERSIONED = (DISTRIBUTION, "torch", "transformers", "lm_eval", "datasets", "numpy", "triton", "gguf", "accelerate")
-# What the git state covers beside the package: the kernel sources and the build file (a results
+# What the git state covers beside the package (which holds the kernel sources): the build file (a results
 # ledger or run folder written in the same checkout is output, not code).
-SOURCE_SIBLINGS = ("kernels", "pyproject.toml")
+SOURCE_SIBLINGS = ("pyproject.toml",)
 
 
 def _git(*args: str, cwd: Path) -> str | None:

@@ -21,7 +21,10 @@ def random_signs(d: int, seed: int) -> torch.Tensor:
 
 
 class Rotation:
-    """x -> R x along the last dim; `inverse` applies R^T."""
+    """x -> R x along the last dim; `inverse` applies R^T. `kind`: the name a kernel knows it by
+    (kvq.quant.layout.SIGNED_ROTATIONS), or "matrix" for one applied through its matrix."""
+
+    kind = "matrix"
 
     def __init__(self, d: int, seed: int = 0):
         self.d = d
@@ -44,6 +47,8 @@ class Rotation:
 
 @ROTATIONS.register("identity")
 class Identity(Rotation):
+    kind = "identity"
+
     def forward(self, x):
         self._check(x)
         return x
@@ -68,6 +73,13 @@ class _SignedRotation(Rotation):
         super().__init__(d, seed)
         self.signs = random_signs(d, seed)
 
+    @classmethod
+    def with_signs(cls, signs: torch.Tensor) -> "_SignedRotation":
+        """The rotation with these signs rather than a seed's (what kvq::quantize is given)."""
+        rotation = cls(signs.shape[-1])
+        rotation.signs = signs.float().cpu()
+        return rotation
+
     def _signs_like(self, x: torch.Tensor) -> torch.Tensor:
         return self.signs.to(device=x.device, dtype=x.dtype)
 
@@ -75,6 +87,8 @@ class _SignedRotation(Rotation):
 @ROTATIONS.register("srht")
 class SRHT(_SignedRotation):
     """Sign-randomized Hadamard: H diag(s) x / sqrt(d), d a power of two (Sylvester construction)."""
+
+    kind = "srht"
 
     def __init__(self, d: int, seed: int = 0):
         if d < 1 or d & (d - 1):
@@ -102,6 +116,8 @@ class SRFT(_SignedRotation):
     out[0] = Re Y_0, out[d/2] = Re Y_{d/2}, out[k] = sqrt(2) Re Y_k and out[d/2 + k] = sqrt(2) Im Y_k
     for 1 <= k < d/2. Any even d works (Y_0 and Y_{d/2} are real for real input).
     """
+
+    kind = "srft"
 
     def __init__(self, d: int, seed: int = 0):
         if d < 2 or d % 2:
@@ -137,6 +153,13 @@ class SRFT(_SignedRotation):
 
 def build_rotation(name: str, d: int, seed: int) -> Rotation:
     return ROTATIONS.get(name)(d, seed)
+
+
+def signed_rotation(kind: str, signs: torch.Tensor) -> Rotation:
+    """Rotation `kind` (identity, srht or srft) with the given signs."""
+    if kind == "identity":
+        return Identity(signs.shape[-1])
+    return ROTATIONS.get(kind).with_signs(signs)
 
 
 class MatrixRotation(Rotation):

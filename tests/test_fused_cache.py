@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
 from kvq.cache import FusedLayer, PackedStore, QuantizedKVCache, QuantizedLayer, fused_decoding
 from kvq.errors import KvqError
-from kvq.kernels import packing_reason
 from kvq.quant import QuantSpec
 
 
@@ -32,10 +31,13 @@ def reference_attention(query, keys, values, scale):
 @pytest.mark.parametrize("spec, prompt", [(QuantSpec("srft", 4, "per_group", 32), 37), (QuantSpec("srht", 8), 37),
                                           (QuantSpec("int", 4, "per_token"), 37),
                                           (QuantSpec("srft", 4, "per_group", 32), 5),
-                                          (QuantSpec("srft", 4, "per_group", 32, scale_dtype="float16"), 37)])
+                                          (QuantSpec("srft", 4, "per_group", 32, scale_dtype="float16"), 37),
+                                          (QuantSpec("srft", 3, "per_group", 32), 37),
+                                          (QuantSpec("srft", 4, "per_group", 32, scale_dtype="bfloat16"), 37)])
 def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt):
     """Twenty decode steps cross a window flush; a 5-token prompt starts with nothing packed. On CUDA the
-    int4 g32 case runs kernels/decode_attention.cu's partial kernel."""
+    int4 g32 case runs csrc/decode_attention.cu's partial kernel; 3-bit codes and bfloat16 scales, which no
+    quantize kernel takes, run the reference behind the same ops."""
     d, kv_heads, q_heads = 128, 2, 8
     bank = QuantizerBank(spec, KVGeometry(1, kv_heads, d))
     bank.get(0, "k").lam = torch.rand(d) + 0.5  # a calibrated lambda must round-trip through the maps
@@ -63,7 +65,8 @@ def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt):
     assert fused.stores["k"].length == total - total % 16 and fused.count == total % 16
     # flushes reuse the decode graph: only a reallocated buffer needs a new one, here the first
     # allocation after a prompt that left nothing packed (the prefill's buffers keep spare rows)
-    assert fused.decode_graph.captures == ((1 + (prompt < 16)) if device == "cuda" else 0)
+    fused_attention = device == "cuda" and spec.bits in (4, 8)
+    assert fused.decode_graph.captures == ((1 + (prompt < 16)) if fused_attention else 0)
 
 
 def test_fused_layer_keeps_decode_rows_that_no_attend_wrote():
@@ -91,12 +94,12 @@ def test_fused_memory_counts_allocated_buffers(scale_dtype, scale_bytes):
     assert layer.persistent_bytes() == 2 * per_role
 
 
-def test_fused_cache_refuses_what_it_cannot_hold():
-    assert packing_reason(QuantizerBank(QuantSpec("srft", 4), KVGeometry(1, 1, 64)).get(0, "k")) is None
-    for spec in (QuantSpec("srft", 3), QuantSpec("int", 4, "per_channel"), QuantSpec("hqmq", 4),
-                 QuantSpec("srft", 4, scale_dtype="bfloat16")):
+def test_fused_cache_refuses_quantizers_without_a_packed_layout():
+    assert QuantizerBank(QuantSpec("srft", 4), KVGeometry(1, 1, 64)).get(0, "k").packed_form() is not None
+    for spec, reason in ((QuantSpec("int", 4, "per_channel"), "per_channel"), (QuantSpec("hqmq", 4), "HQMQ"),
+                         (QuantSpec("int", 4, symmetric=False), "asymmetric")):
         bank = QuantizerBank(spec, KVGeometry(1, 1, 64))
-        with pytest.raises(KvqError):
+        with pytest.raises(KvqError, match=reason):
             FusedLayer(bank, 0, 16)
 
 

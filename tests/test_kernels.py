@@ -7,22 +7,22 @@ same body.
 """
 
 import ctypes
-import dataclasses
+import logging
 import shutil
 import subprocess
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import requires_cuda
+from conftest import random_packed, requires_cuda
 
-from kvq import kernels
-from kvq.bench import random_packed
-from kvq.kernels import decode_attention
+from kvq import ops
+from kvq.kernels import cuda_decode
 from kvq.kernels.backends import KernelBackend
-from kvq.kernels.decode_attention import _decode_attention_gpu, decode_attention_reference, resident_programs
-from kvq.kernels.plan import packed_codes, plan_for, unsupported_reason
-from kvq.kernels.source import translation_unit
+from kvq.kernels.decode_attention import DecodeStep, decode_attention_gpu, decode_attention_reference
+from kvq.kernels.launch import LaunchConfig, resident_programs, split_counts
+from kvq.kernels.plan import kernel_constants, kernel_defines, packed_codes, unsupported_reason
+from kvq.kernels.source import kernel_text, translation_unit
 from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
@@ -39,19 +39,26 @@ def quantizer(rotation="srft", d=128, bits=4, granularity="per_token", group=32,
     return RotatedQuantizer(ROTATIONS[rotation](d, seed), inner, lam_vector)
 
 
-def test_plans_cover_the_papers_kernels_and_name_the_rest():
-    plan = plan_for(quantizer("srft", 128, 4, "per_group", 32, lam=True))
-    assert (plan.d, plan.bits, plan.group, plan.rotation, plan.groups, plan.code_bytes) == (128, 4, 32, 2, 4, 64)
-    assert plan_for(quantizer("srht", 64, 8)).group == 64
+def layout(q: RotatedQuantizer):
+    return q.packed_form().layout
+
+
+def test_layouts_cover_the_papers_kernels_and_name_the_rest():
+    g32 = layout(quantizer("srft", 128, 4, "per_group", 32, lam=True))
+    assert (g32.head_dim, g32.bits, g32.group_size, g32.rotation, g32.groups, g32.code_bytes) == (
+        128, 4, 32, "srft", 4, 64)
+    assert unsupported_reason(g32) is None
+    assert layout(quantizer("srht", 64, 8)).group_size == 64
     learned = RotatedQuantizer(Composed(SRFT(64), MatrixRotation(torch.eye(64))), ScalarQuantizer(4))
-    assert "learned" in unsupported_reason(learned)
-    assert "per_channel" in unsupported_reason(quantizer(granularity="per_channel"))
-    assert "int4/int8" in unsupported_reason(quantizer(bits=3))
-    assert "power-of-two group" in unsupported_reason(quantizer(granularity="per_group", group=24))
-    assert "head_dim" in unsupported_reason(quantizer("srft", 96))
-    assert plan_for(quantizer(scales="float16")).scale_dtype == torch.float16
-    assert plan_for(quantizer(scales="float16")).defines()["KVQ_SCALE_HALF"] == 1
-    assert "float32 or float16 scales" in unsupported_reason(quantizer(scales="bfloat16"))
+    assert layout(learned).rotation == "matrix" and "learned" in unsupported_reason(layout(learned))
+    assert quantizer(granularity="per_channel").packed_form() is None
+    assert "per_channel" in quantizer(granularity="per_channel").packing_reason()
+    assert "int4/int8" in unsupported_reason(layout(quantizer(bits=3)))
+    assert "power-of-two group" in unsupported_reason(layout(quantizer(granularity="per_group", group=24)))
+    assert "head_dim" in unsupported_reason(layout(quantizer("srft", 96)))
+    assert layout(quantizer(scales="float16")).scale_dtype == torch.float16
+    assert dict(kernel_defines(layout(quantizer(scales="float16"))))["KVQ_SCALE_HALF"] == 1
+    assert "float32 or float16 scales" in unsupported_reason(layout(quantizer(scales="bfloat16")))
 
 
 @pytest.mark.parametrize("d, group, q_heads, window_dtype, scales, fits", [
@@ -67,23 +74,23 @@ def test_plans_cover_the_papers_kernels_and_name_the_rest():
 ])
 def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_heads, window_dtype, scales, fits,
                                                                 monkeypatch):
-    monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=9))  # sm_90
+    monkeypatch.setattr(cuda_decode, "properties", lambda device: SimpleNamespace(major=9))  # sm_90
     keys, values = (random_packed(1, 8, 4, d, 4, group, "cpu", scale_dtype=dtype) for dtype in scales)
     query = torch.zeros(1, q_heads, d, dtype=torch.float16)
     window = torch.zeros(1, 8, 2, d, dtype=window_dtype)
-    assert decode_attention._cuda_partial_fits(query, keys, values, window, window) == fits
+    assert cuda_decode.partial_fits(query, keys, values, (window, window)) == fits
 
 
 @pytest.mark.parametrize("major, builds", [(7, False), (8, True), (9, True)])
 def test_cuda_kernels_serve_from_sm_80_on(major, builds, monkeypatch):
-    """kernels/decode_attention.cu's mma.sync m16n8k16 and cp.async need sm_80: Triton serves older GPUs."""
-    monkeypatch.setattr(decode_attention, "_properties", lambda device: SimpleNamespace(major=major))
+    """csrc/decode_attention.cu's mma.sync m16n8k16 and cp.async need sm_80: Triton serves older GPUs."""
+    monkeypatch.setattr(cuda_decode, "properties", lambda device: SimpleNamespace(major=major))
     keys, values = (random_packed(1, 8, 4, 128, 4, 32, "cpu") for _ in range(2))
     query = torch.zeros(1, 32, 128, dtype=torch.float16)
     window = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
-    assert decode_attention._cuda_partial_fits(query, keys, values, window, window) == builds
-    assert decode_attention._cuda_reduce_fits(query) == builds
-    assert not decode_attention._cuda_reduce_fits(torch.zeros(1, 32, 64, dtype=torch.float16))  # KVQ_D is 128
+    assert cuda_decode.partial_fits(query, keys, values, (window, window)) == builds
+    assert cuda_decode.reduce_fits(query) == builds
+    assert not cuda_decode.reduce_fits(torch.zeros(1, 32, 64, dtype=torch.float16))  # KVQ_D is 128
 
 
 @pytest.mark.parametrize("programs", [396, 528])  # 132 SMs x 3 (CUDA partial) or 4 programs
@@ -92,7 +99,7 @@ def test_cuda_kernels_serve_from_sm_80_on(major, builds, monkeypatch):
 def test_split_plan_stays_within_the_programs_the_sms_hold(heads, tokens, programs):
     """No packed split may wait for another to end (7 or 40 (batch, KV head) pairs once asked for 532 and 560
     of 528 programs), and every token lies in one split."""
-    splits, per_split = decode_attention.split_counts(tokens, heads, programs, 64)
+    splits, per_split = split_counts(tokens, heads, programs, 64)
     assert per_split % 64 == 0 and (splits - 1) * per_split < tokens <= splits * per_split
     assert splits * heads <= max(programs, heads)
 
@@ -101,7 +108,7 @@ def test_fragment_order_is_the_transposed_map_as_mma_reads_its_a_operand():
     """Lane (r, c) of m16n8k16 holds A rows r, r + 8 (registers 0/1, 2/3) at columns 2c, 2c + 1 (registers 0, 1)
     and 2c + 8, 2c + 9 (2, 3): rebuilding A from the lanes' registers must give the map's transpose in fp16."""
     matrix = torch.randn(128, 128, generator=torch.Generator().manual_seed(0))
-    fragments = decode_attention.fragment_order(matrix)
+    fragments = cuda_decode.fragment_order(matrix)
     assert fragments.shape == (8, 8, 32, 4, 2) and fragments.dtype == torch.float16
     rebuilt = torch.empty(128, 128, dtype=torch.float16)
     for lane in range(32):
@@ -113,9 +120,9 @@ def test_fragment_order_is_the_transposed_map_as_mma_reads_its_a_operand():
                     pair = fragments[tile, step, lane, register]
                     rebuilt[16 * tile + row, 16 * step + column:16 * step + column + 2] = pair
     assert torch.equal(rebuilt, matrix.T.to(torch.float16))
-    assert decode_attention.fragment_order(matrix) is fragments  # kept while the map lives unchanged
+    assert cuda_decode.fragment_order(matrix) is fragments  # kept while the map lives unchanged
     matrix.mul_(2)  # modified in place: built again
-    assert torch.equal(decode_attention.fragment_order(matrix), 2 * fragments)
+    assert torch.equal(cuda_decode.fragment_order(matrix), 2 * fragments)
 
 
 @pytest.mark.parametrize("registers, shared, warps, expected", [
@@ -128,12 +135,46 @@ def test_resident_programs_follow_an_h100_sms_limits(registers, shared, warps, e
     assert resident_programs(registers, shared, warps, shared_per_sm=233472, threads_per_sm=2048) == expected
 
 
-def test_cpu_encode_is_the_reference():
-    q = quantizer("srft", 64, 4, "per_group", 16)
+@pytest.mark.parametrize("rotation", ["identity", "srht", "srft"])
+@pytest.mark.parametrize("granularity, bits", [("per_token", 4), ("per_group", 4), ("per_group", 2), ("per_group", 8)])
+def test_cpu_ops_are_the_quantizers_own_arithmetic(rotation, granularity, bits):
+    q = quantizer(rotation, 64, bits, granularity, 16, lam=True)
     x = torch.randn(2, 3, 10, 64)
-    packed, expected = kernels.encode(q, x), q.encode(x)
+    packed, expected = ops.encode(q, x), q.encode(x)
     assert torch.equal(packed.inner.codes, expected.inner.codes)
-    assert torch.equal(kernels.decode(q, packed), q.decode(expected))
+    assert torch.equal(packed.inner.scale.reshape(expected.inner.scale.shape), expected.inner.scale)
+    assert torch.equal(ops.decode(q, packed), q.decode(expected))
+
+
+def test_learned_rotations_take_the_reference_through_their_matrix():
+    learned = RotatedQuantizer(Composed(SRFT(64, 1), MatrixRotation(torch.linalg.qr(torch.randn(64, 64))[0])),
+                               ScalarQuantizer(4, "per_group", 32))
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(ops.decode(learned, ops.encode(learned, x)), learned(x), atol=1e-5, rtol=0)
+
+
+def test_ops_are_custom_ops_that_compile_without_graph_breaks():
+    q = quantizer("srft", 64, 4, "per_group", 16, lam=True)
+    form = q.packed_form()
+    rows = torch.randn(6, 64)
+    codes, scales = ops.quantize(rows, form)
+    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.signs, form.lam, 4, 16, torch.float32, "srft"))
+    torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scales, form.signs, form.lam, 4, torch.float32,
+                                                             "srft"))
+    keys, values = (random_packed(1, 2, 9, 64, 4, 16, "cpu") for _ in range(2))
+    window = torch.randn(1, 2, 3, 64)
+    step = DecodeStep(keys, values, (window, window), form.matrix.T, form.matrix)
+    query = torch.randn(1, 4, 64)
+
+    def round_trip_and_attend(rows, query):
+        codes, scales = ops.quantize(rows, form)
+        return ops.dequantize(codes, scales, form, torch.float32), ops.decode_attention(query, step, 0.125)
+
+    compiled = torch.compile(round_trip_and_attend, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(rows, query), round_trip_and_attend(rows, query), strict=True):
+        assert torch.equal(got, want)
+    torch.testing.assert_close(ops.decode_attention(query, step, 0.125),
+                               decode_attention_reference(query, step, 0.125), atol=0, rtol=0)
 
 
 class _MetalStub:
@@ -163,9 +204,9 @@ namespace precise { float sqrt(float); }
 @pytest.mark.parametrize("in_dtype, out_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16)])
 def test_metal_translation_unit_parses_with_the_shared_body(tmp_path, rotation, in_dtype, out_dtype):
     (tmp_path / "metal_stdlib").write_text(_MetalStub.HEADER)
-    defines = plan_for(quantizer(rotation, 128, 4, "per_group", 32)).defines()
+    defines = dict(kernel_defines(layout(quantizer(rotation, 128, 4, "per_group", 32))))
     source = translation_unit("metal", defines, in_dtype, out_dtype)
-    assert (kernels.source.KERNEL_DIR / "quant_body.h").read_text() in source
+    assert kernel_text("quant_body.h") in source
     unit = tmp_path / "unit.cpp"
     unit.write_text(source)
     result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", "-I",
@@ -178,7 +219,7 @@ def _pre_round(q: RotatedQuantizer, x: torch.Tensor, scale: torch.Tensor | None 
     instead of the reference's own."""
     y = q.rotation.forward(x.float())
     if q.lam is not None:
-        y = y * q._lam(y)
+        y = y * q.packed_form().on(x.device).lam
     if scale is None:
         scale = q.inner.encode(y).scale
     scale = scale.float().expand(*scale.shape[:-1], y.shape[-1] // scale.shape[-2])
@@ -246,13 +287,13 @@ class _HostBackend(KernelBackend):
 
     name = "host"
 
-    def __init__(self, plan, directory):
+    def __init__(self, packed_layout, directory):
         unit, library = directory / "kvq_host.cpp", directory / "kvq_host.so"
-        unit.write_text(translation_unit("host", plan.defines(), torch.float32, torch.float32))
+        unit.write_text(translation_unit("host", dict(kernel_defines(packed_layout)), torch.float32, torch.float32))
         subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(library), str(unit)], check=True)
         self.library = ctypes.CDLL(str(library))
 
-    def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
+    def _launch(self, packed_layout, name, dtypes, n, args) -> None:
         getattr(self.library, name)(*(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_uint(a)
                                       for a in [*args, n]))
 
@@ -262,11 +303,12 @@ class _HostBackend(KernelBackend):
 def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, bits, granularity, group, lam, dtype,
                                                         n, scales):
     q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), scales, "cpu")
-    plan = plan_for(q)
-    backend = _HostBackend(plan, tmp_path)
-    codes, scales = backend.quantize(plan, x)
+    form = q.packed_form()
+    backend = _HostBackend(form.layout, tmp_path)
+    constants = kernel_constants(form.signs, form.lam)
+    codes, scales = backend.quantize(form.layout, constants, x)
     _assert_matches_reference(q, x, codes, scales.unsqueeze(-1), "host " + label)
-    decoded = backend.dequantize(plan, codes, scales, torch.float32)
+    decoded = backend.dequantize(form.layout, constants, codes, scales, torch.float32)
     packed = packed_codes(codes, scales, x.shape, torch.float32)
     torch.testing.assert_close(decoded, q.decode(packed), atol=1e-5 * x.abs().max(), rtol=0)
 
@@ -276,11 +318,11 @@ def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, b
 @pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n, scales", CASES)
 def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n, scales):
     q, x, label = _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, "cuda")
-    packed = kernels.encode(q, x)
-    assert kernels.unsupported_reason(q) is None
+    packed = ops.encode(q, x)
+    assert unsupported_reason(layout(q)) is None
     _assert_matches_reference(q, x, packed.inner.codes, packed.inner.scale, label)
     # the inverse kernel reconstructs what the reference decode gives from the same packing
-    out = kernels.decode(q, packed)
+    out = ops.decode(q, packed)
     assert out.dtype == dtype and out.shape == x.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), q.decode(packed).float(), atol=tolerance * x.float().abs().max(), rtol=0)
@@ -308,23 +350,39 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
 ])
 def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, bits,
                                                       group, dtype, scales, monkeypatch):
-    monkeypatch.setattr(decode_attention, "LAUNCH", dataclasses.replace(decode_attention.LAUNCH, partial=partial))
     generator = torch.Generator().manual_seed(tokens)
     keys = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator, scales)
     values = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator, scales)
     window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).to("cuda", dtype)
-    window_keys, window_values = window_buffer[0, :, :, :window], window_buffer[1, :, :, :window]
+    window = (window_buffer[0, :, :, :window], window_buffer[1, :, :, :window])
     query = torch.randn(batch, q_heads, d, generator=generator).to("cuda", dtype)
     rotation, lam = SRFT(d, tokens).matrix(), torch.rand(d, generator=generator) + 0.5
-    query_map, output_map = (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda()
-    arguments = (query, query_map, keys, values, window_keys, window_values, output_map, d ** -0.5)
-    got, expected = _decode_attention_gpu(*arguments), decode_attention_reference(*arguments)
+    step = DecodeStep(keys, values, window, (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda())
+    launch = LaunchConfig(partial=partial)
+    got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
+                                                                                                      d ** -0.5)
     # the second call goes through the compiled kernels' own launchers
-    assert torch.equal(_decode_attention_gpu(*arguments), got)
+    assert torch.equal(decode_attention_gpu(query, step, d ** -0.5, launch), got)
+    if partial == "cuda":  # the op dispatches to the same kernels
+        assert torch.equal(ops.decode_attention(query, step, d ** -0.5), got)
     error = (got.float() - expected.float()).abs().max().item()
-    print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window} int{bits} g={group} {dtype} "
-          f"{scales} scales: max abs {error:.2e}")
+    print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window[0].shape[2]} int{bits} g={group} "
+          f"{dtype} {scales} scales: max abs {error:.2e}")
     # fp16 and bf16 outputs are both rounded to the query's dtype: up to an ulp apart on top of the kernel's
     # own error; fp32 keeps the bare bound
     rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps * expected.float().abs().max().item()
     assert error < 2e-3 + rounding
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_layouts_without_a_kernel_take_the_reference_and_say_why_once(caplog):
+    q = quantizer("srht", 256, 3, "per_group", 64)  # a layout no other test quantizes
+    x = torch.randn(64, 256, device="cuda")
+    with caplog.at_level(logging.INFO, logger="kvq.kernels"):
+        packed = ops.encode(q, x)
+        ops.encode(q, x)
+    assert torch.equal(packed.inner.codes.cpu(), q.encode(x.cpu()).inner.codes)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvq::quantize")]
+    assert len(said) == 1 and str(layout(q)) in said[0]
+    assert said[0].endswith("kernels need symmetric int4/int8 codes with float32 or float16 scales")

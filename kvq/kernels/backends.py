@@ -1,7 +1,7 @@
 """Kernel builds per device type: CUDA through NVRTC, Metal through torch.mps.compile_shader.
 
 Both compile the same translation unit (kvq.kernels.source) on first use and keep it for the process.
-A backend maps a KernelPlan and (n, d) rows to (codes, scales) and back.
+A backend maps a PackedLayout, its KernelConstants and (n, d) rows to (codes, scales) and back.
 """
 
 import ctypes
@@ -9,43 +9,37 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from kvq.kernels.plan import THREADS_PER_GROUP, KernelPlan
+from kvq.kernels.plan import THREADS_PER_GROUP, KernelConstants, kernel_defines
 from kvq.kernels.source import translation_unit
+from kvq.quant.layout import PackedLayout
 
 
 class KernelBackend:
     name = ""
 
-    def quantize(self, plan: KernelPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, layout: PackedLayout, constants: KernelConstants,
+                 rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if rows.data_ptr() % 16:  # the kernel reads rows as 16-byte chunks
             rows = rows.clone()
         n = rows.shape[0]
-        codes = torch.empty(n, plan.code_bytes, dtype=torch.uint8, device=rows.device)
-        scales = torch.empty(n, plan.groups, dtype=plan.scale_dtype, device=rows.device)
+        codes = torch.empty(n, layout.code_bytes, dtype=torch.uint8, device=rows.device)
+        scales = torch.empty(n, layout.groups, dtype=layout.scale_dtype, device=rows.device)
         if n:
-            self._launch(plan, "kvq_quantize", rows.dtype, torch.float32, n,
-                         [rows, *self._constants(plan, rows.dtype, 0), codes, scales])
+            self._launch(layout, "kvq_quantize", (rows.dtype, torch.float32), n,
+                         [rows, *constants.arguments(rows.dtype, reciprocal=False), codes, scales])
         return codes, scales
 
-    def dequantize(self, plan: KernelPlan, codes: torch.Tensor, scales: torch.Tensor,
-                   dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, layout: PackedLayout, constants: KernelConstants, codes: torch.Tensor,
+                   scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n = codes.shape[0]
-        rows = torch.empty(n, plan.d, dtype=dtype, device=codes.device)
+        rows = torch.empty(n, layout.head_dim, dtype=dtype, device=codes.device)
         if n:
-            self._launch(plan, "kvq_dequantize", torch.float32, dtype, n,
-                         [codes, scales, *self._constants(plan, dtype, 1), rows])
+            self._launch(layout, "kvq_dequantize", (torch.float32, dtype), n,
+                         [codes, scales, *constants.arguments(dtype, reciprocal=True), rows])
         return rows
 
-    @staticmethod
-    def _constants(plan: KernelPlan, dtype: torch.dtype, lam_part: int) -> list:
-        """sign_words, lambda (lam_part 0: floored, for quantize; 1: reciprocal, for dequantize), has_lam,
-        from a plan already on the tensors' device (KernelPlan.on); dtype is the vectors' element type."""
-        words = plan.sign_words[dtype.itemsize]
-        if plan.kernel_lam is None:
-            return [words, words, 0]  # the lambda pointer is unread when has_lam is 0
-        return [words, plan.kernel_lam[lam_part], 1]
-
-    def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
+    def _launch(self, layout: PackedLayout, name: str, dtypes: tuple, n: int, args: list) -> None:
+        """dtypes: (input, output) element types of the build."""
         raise NotImplementedError
 
 
@@ -72,11 +66,13 @@ class CudaLaunch:
     """cuLaunchKernel for a function torch.cuda._compile_kernel built. torch's own launcher reopens the
     driver library, makes a ctypes array class and a Stream object at every call, host time paid twice
     at every window flush of every layer of the fused cache.
-    Tensors pass as pointers, floats as float, ints as 32-bit unsigned (the kernels' uint parameters).
+    Tensors pass as pointers, floats as float, ints as 32-bit unsigned (the kernels' uint parameters), a
+    ctypes.Structure by value.
     `threads`: the block size the kernel declares in its __launch_bounds__, which every launch uses."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, device_index: int):
         self.function = kernel.func
+        self.device_index = device_index
         self.driver = torch.cuda._utils._get_gpu_runtime_library()
         self.array_types: dict[int, type] = {}
         threads = ctypes.c_int()
@@ -86,13 +82,14 @@ class CudaLaunch:
     def __call__(self, blocks: int | tuple[int, int], args: list, programmatic: bool = False) -> None:
         """programmatic: launched programmatically dependent on the stream's previous kernel (compute
         capability 9.0 on), which the kernel must then await itself (griddepcontrol.wait)."""
-        values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+        values = [a if isinstance(a, ctypes.Structure)
+                  else ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                   else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_uint(a) for a in args]
         array_type = self.array_types.get(len(values))
         if array_type is None:
             array_type = self.array_types[len(values)] = ctypes.c_void_p * len(values)
         pointers = array_type(*(ctypes.addressof(value) for value in values))
-        stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(args[0].device.index))
+        stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(self.device_index))
         grid_x, grid_y = blocks if isinstance(blocks, tuple) else (blocks, 1)
         if not programmatic:
             self._check(self.driver.cuLaunchKernel(self.function, grid_x, grid_y, 1, self.threads, 1, 1, 0, stream,
@@ -115,7 +112,7 @@ class CudaLaunch:
     def compile(cls, source: str, name: str, device: torch.device) -> "CudaLaunch":
         """Kernel `name` of CUDA `source`, built by NVRTC and loaded in `device`'s context."""
         with torch.cuda.device(device):
-            return cls(torch.cuda._compile_kernel(source, name))
+            return cls(torch.cuda._compile_kernel(source, name), torch.cuda.current_device())
 
     @staticmethod
     def _check(status: int) -> None:
@@ -130,8 +127,8 @@ def _cuda_kernel(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype, 
 
 
 # How far ahead, in the rows the SMs hold at once, each quantize warp prefetches rows into L2
-# (kernels/entry_cuda.cu's kvq_prefetch_rows): far enough that the rows land before the warp reaches them,
-# near enough that they are still in L2 (runs/bench/LOG.md has the sweep).
+# (csrc/entry_cuda.cu's kvq_prefetch_rows): far enough that the rows land before the warp reaches them,
+# near enough that they are still in L2.
 PREFETCH_WAVES = 0.6
 
 
@@ -145,8 +142,8 @@ def prefetch_ahead(kernel: CudaLaunch, device: torch.device) -> int:
 class CudaBackend(KernelBackend):
     name = "cuda"
 
-    def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
-        kernel = _cuda_kernel(plan.define_items, in_dtype, out_dtype, name, args[0].device)
+    def _launch(self, layout: PackedLayout, name: str, dtypes: tuple, n: int, args: list) -> None:
+        kernel = _cuda_kernel(kernel_defines(layout), *dtypes, name, args[0].device)
         tail = [n, prefetch_ahead(kernel, args[0].device)] if name == "kvq_quantize" else [n]
         kernel(-(-n // kernel.threads), [*args, *tail])
 
@@ -159,8 +156,8 @@ def _metal_library(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype
 class MetalBackend(KernelBackend):
     name = "metal"
 
-    def _launch(self, plan, name, in_dtype, out_dtype, n, args) -> None:
-        library = _metal_library(plan.define_items, in_dtype, out_dtype)
+    def _launch(self, layout: PackedLayout, name: str, dtypes: tuple, n: int, args: list) -> None:
+        library = _metal_library(kernel_defines(layout), *dtypes)
         device = args[0].device
         as_buffers = [torch.tensor([a], dtype=torch.int32, device=device) if isinstance(a, int) else a
                       for a in [*args, n]]

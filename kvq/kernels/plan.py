@@ -1,26 +1,27 @@
-"""Which quantizers the fused kernels implement, and the constants a kernel build needs.
+"""Which packed layouts the fused kernels implement, and what a kernel build and launch need from one.
 
-A kernel covers RotatedQuantizer(identity | SRHT | SRFT, symmetric int4/int8 with fp32 or fp16 scales per
-token or per power-of-two group, optional lambda) at power-of-two head_dim: the SRFT paper's fused
-kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Anything else keeps the torch reference.
+A kernel covers the PackedLayout of a rotation (identity | SRHT | SRFT) with optional lambda and symmetric
+int4/int8 codes with fp32 or fp16 scales per token or per power-of-two group, at power-of-two head_dim: the
+SRFT paper's fused kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Other layouts take the reference.
 """
 
 import math
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from kvq.quant.rotated import LAMBDA_FLOOR, RotatedPacked, RotatedQuantizer
-from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
-from kvq.rotations import SRFT, SRHT, Identity
+from kvq.quant.layout import PackedLayout
+from kvq.quant.rotated import RotatedPacked
+from kvq.quant.scalar import ScalarPacked
 
-ROTATION_CODES = {Identity: 0, SRHT: 1, SRFT: 2}
+ROTATION_CODES = {"identity": 0, "srht": 1, "srft": 2}
 KERNEL_BITS = (4, 8)
 KERNEL_SCALE_DTYPES = (torch.float32, torch.float16)
 THREADS_PER_GROUP = 128  # Metal threadgroups; one vector per thread
-# CUDA blocks: one warp, twelve to an SM (kernels/entry_cuda.cu). Each warp prefetches the rows of the warp
-# ~0.6 of a wave on, so a warp never waits on its block's others; wider blocks measured no faster.
+# CUDA blocks: one warp, twelve to an SM (csrc/entry_cuda.cu). Each warp prefetches the rows of the warp
+# ~0.6 of a wave on, so a warp never waits on its block's others; wider blocks are no faster.
 CUDA_BLOCK = 32
 
 
@@ -31,54 +32,61 @@ def twiddle_literals(d: int) -> str:
     return ", ".join(f"{value:.8e}f" for value in pairs)
 
 
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def unsupported_reason(layout: PackedLayout) -> str | None:
+    """None when a fused kernel implements this layout exactly; else why not."""
+    if layout.rotation not in ROTATION_CODES:
+        return f"rotation kind {layout.rotation} has no kernel (learned rotations run in torch)"
+    if layout.bits not in KERNEL_BITS or not layout.symmetric or layout.scale_dtype not in KERNEL_SCALE_DTYPES:
+        return "kernels need symmetric int4/int8 codes with float32 or float16 scales"
+    if not _power_of_two(layout.head_dim) or not 8 <= layout.head_dim <= 512:
+        return f"kernels need a power-of-two head_dim in 8..512, got {layout.head_dim}"
+    if not (_power_of_two(layout.group_size) and layout.group_size >= 2):
+        return f"kernels need a power-of-two group size >= 2, got {layout.group_size}"
+    return None
+
+
+@lru_cache(maxsize=64)
+def kernel_defines(layout: PackedLayout) -> tuple[tuple[str, int | str], ...]:
+    """The build's defines, made once per layout: formatting the twiddle table is host time that would
+    otherwise be paid at every flush of the fused cache."""
+    return (("KVQ_D", layout.head_dim), ("KVQ_GROUP", layout.group_size), ("KVQ_BITS", layout.bits),
+            ("KVQ_ROT", ROTATION_CODES[layout.rotation]), ("KVQ_BLOCK", CUDA_BLOCK),
+            ("KVQ_TWIDDLES", twiddle_literals(layout.head_dim)),
+            ("KVQ_SCALE_HALF", int(layout.scale_dtype == torch.float16)))
+
+
 @dataclass(frozen=True)
-class KernelPlan:
-    d: int
-    bits: int
-    group: int
-    rotation: int
-    signs: torch.Tensor
-    lam: torch.Tensor | None
-    scale_dtype: torch.dtype = torch.float32
+class KernelConstants:
+    """A form's constants as the kernels read them: per element size in bytes (2 or 4), the signs as int32
+    XOR masks over the 32-bit words that hold a vector of such elements (a sign flip is exact, and one
+    logic op per word); lambda (floored) and its reciprocal, or None."""
 
-    @property
-    def code_bytes(self) -> int:
-        return self.d * self.bits // 8
+    sign_words: dict[int, torch.Tensor]
+    lam: tuple[torch.Tensor, torch.Tensor] | None
 
-    @property
-    def groups(self) -> int:
-        return self.d // self.group
-
-    def on(self, device: torch.device) -> "KernelPlan":
-        """The same plan with its constants (signs, float32 lambda) on `device`."""
-        lam = self.lam.to(device=device, dtype=torch.float32) if self.lam is not None else None
-        return replace(self, signs=self.signs.to(device), lam=lam)
-
-    @cached_property
-    def sign_words(self) -> dict[int, torch.Tensor]:
-        """Per element size in bytes (2 or 4): the signs as int32 XOR masks over the 32-bit words that
-        hold a vector of such elements (a sign flip is exact, and one logic op per word)."""
-        return {size: _sign_masks(self.signs, size) for size in (2, 4)}
-
-    @cached_property
-    def kernel_lam(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(lambda floored as RotatedQuantizer floors it, its reciprocal): what quantize multiplies by and
-        what dequantize multiplies by, or None without lambda."""
+    def arguments(self, dtype: torch.dtype, reciprocal: bool) -> list:
+        """sign_words, lambda (its reciprocal for dequantize), has_lam, for vectors of `dtype`."""
+        words = self.sign_words[dtype.itemsize]
         if self.lam is None:
-            return None
-        floored = self.lam.clamp_min(LAMBDA_FLOOR).contiguous()
-        return floored, 1.0 / floored
+            return [words, words, 0]  # the lambda pointer is unread when has_lam is 0
+        return [words, self.lam[int(reciprocal)], 1]
 
-    @cached_property
-    def define_items(self) -> tuple[tuple[str, int | str], ...]:
-        """defines() as the kernel caches' key, made once: formatting the twiddle table is host time
-        that would otherwise be paid at every flush of the fused cache."""
-        return tuple(self.defines().items())
 
-    def defines(self) -> dict[str, int | str]:
-        return {"KVQ_D": self.d, "KVQ_GROUP": self.group, "KVQ_BITS": self.bits, "KVQ_ROT": self.rotation,
-                "KVQ_BLOCK": CUDA_BLOCK, "KVQ_TWIDDLES": twiddle_literals(self.d),
-                "KVQ_SCALE_HALF": int(self.scale_dtype == torch.float16)}
+_constants = WeakIdKeyDictionary()  # signs tensor -> (its lambda, their KernelConstants)
+
+
+def kernel_constants(signs: torch.Tensor, lam: torch.Tensor | None) -> KernelConstants:
+    """Made once per (signs, lambda) pair of tensors (a form's on a device, PackedForm.on), so a launch
+    converts nothing."""
+    hit = _constants.get(signs)
+    if hit is None or hit[0] is not lam:
+        pair = None if lam is None else (lam.float().contiguous(), 1.0 / lam.float())
+        hit = _constants[signs] = (lam, KernelConstants({size: _sign_masks(signs, size) for size in (2, 4)}, pair))
+    return hit[1]
 
 
 def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
@@ -88,50 +96,7 @@ def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
     return (masks - (masks >> 31 << 32)).to(torch.int32)  # bit 31 set: the int32 with that bit pattern
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and not n & (n - 1)
-
-
-def packing_reason(quantizer) -> str | None:
-    """None when the quantizer packs as the kernels and the fused cache store codes: a rotated symmetric
-    int4/int8 scalar quantizer with float32 or float16 per-token or per-group scales; else why not."""
-    inner = getattr(quantizer, "inner", None)
-    if not isinstance(quantizer, RotatedQuantizer) or not isinstance(inner, ScalarQuantizer):
-        return f"{type(quantizer).__name__} is not a rotated scalar quantizer"
-    if inner.bits not in KERNEL_BITS or not inner.symmetric or inner.scale_dtype not in KERNEL_SCALE_DTYPES:
-        return "packed kernels and the fused cache need symmetric int4/int8 codes with float32 or float16 scales"
-    if inner.granularity not in ("per_token", "per_group"):
-        return f"granularity {inner.granularity} has no kernel (per_channel scales span tokens)"
-    return None
-
-
 def packed_codes(codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype) -> RotatedPacked:
     """Kernel-layout codes (..., bytes) and scales (..., groups) as the reference quantizers' packed
     dataclass, so the reference can check and decode them."""
     return RotatedPacked(ScalarPacked(codes, scales.unsqueeze(-1), None, None, tuple(shape), dtype))
-
-
-def unsupported_reason(quantizer) -> str | None:
-    """None when a fused kernel implements this quantizer exactly; else why not."""
-    reason = packing_reason(quantizer)
-    if reason:
-        return reason
-    inner = quantizer.inner
-    if type(quantizer.rotation) not in ROTATION_CODES:
-        return f"rotation {type(quantizer.rotation).__name__} has no kernel (learned rotations run in torch)"
-    d = quantizer.rotation.d
-    if not _power_of_two(d) or not 8 <= d <= 512:
-        return f"kernels need a power-of-two head_dim in 8..512, got {d}"
-    if inner.granularity == "per_group" and not (_power_of_two(inner.group_size) and inner.group_size >= 2):
-        return f"kernels need a power-of-two group size >= 2, got {inner.group_size}"
-    return None
-
-
-def plan_for(quantizer) -> KernelPlan | None:
-    if unsupported_reason(quantizer) is not None:
-        return None
-    inner, rotation = quantizer.inner, quantizer.rotation
-    group = rotation.d if inner.granularity == "per_token" else inner.group_size
-    signs = getattr(rotation, "signs", torch.ones(rotation.d))
-    return KernelPlan(rotation.d, inner.bits, group, ROTATION_CODES[type(rotation)], signs.float(), quantizer.lam,
-                      inner.scale_dtype)

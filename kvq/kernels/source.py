@@ -1,22 +1,29 @@
-"""Assembles a kernel translation unit: shape defines + backend prelude + shared body + entry points.
+"""Kernel sources, shipped as package data (kvq/kernels/csrc), and the translation units made from them.
 
-The body (kernels/quant_body.h) is the only place the algorithm lives; the CUDA, Metal and host
+The quantize body (csrc/quant_body.h) is the only place that algorithm lives; the CUDA, Metal and host
 (test) builds differ only in their prelude and entry files.
 """
 
-from pathlib import Path
+from importlib.resources import files
 
 import torch
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 DTYPE_DEFINES = {torch.float32: "FLOAT32", torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16"}
 BACKEND_FILES = {"cuda": ("prelude_cuda.h", "entry_cuda.cu"), "metal": ("prelude_metal.h", "entry_metal.metal"),
                  "host": ("prelude_host.h", "entry_host.cpp")}
+
+
+def kernel_text(name: str) -> str:
+    """The text of csrc/`name`, wherever the package is installed."""
+    return files("kvq.kernels").joinpath("csrc", name).read_text()
+
+
+def source_names() -> list[str]:
+    return sorted(entry.name for entry in files("kvq.kernels").joinpath("csrc").iterdir() if entry.is_file())
 
 
 def translation_unit(backend: str, defines: dict[str, int], in_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
     prelude, entry = BACKEND_FILES[backend]
     lines = [f"#define {name} {value}" for name, value in defines.items()]
     lines += [f"#define KVQ_IN_{DTYPE_DEFINES[in_dtype]}", f"#define KVQ_OUT_{DTYPE_DEFINES[out_dtype]}"]
-    parts = ["\n".join(lines)] + [(KERNEL_DIR / name).read_text() for name in (prelude, "quant_body.h", entry)]
-    return "\n".join(parts)
+    return "\n".join(["\n".join(lines)] + [kernel_text(name) for name in (prelude, "quant_body.h", entry)])

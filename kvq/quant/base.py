@@ -1,7 +1,11 @@
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvq.quant.layout import PackedForm
 
 
 @dataclass
@@ -35,6 +39,14 @@ class Quantizer(ABC):
 
     stored_bits = 0
     stored_elements = 0
+
+    def packed_form(self) -> "PackedForm | None":
+        """The PackedLayout, with its constants, that kernels and the fused cache read this quantizer's storage
+        in; None where there is none (packing_reason says why)."""
+        return None
+
+    def packing_reason(self) -> str | None:
+        return f"{type(self).__name__} declares no packed layout"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Quantize-dequantize: what the model sees when this quantizer sits on its KV path.

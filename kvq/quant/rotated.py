@@ -3,6 +3,8 @@ from dataclasses import dataclass
 import torch
 
 from kvq.quant.base import Packed, Quantizer
+from kvq.quant.layout import PackedForm, PackedLayout
+from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import Rotation
 
 LAMBDA_FLOOR = 1e-6
@@ -24,6 +26,7 @@ class RotatedQuantizer(Quantizer):
         self.rotation = rotation
         self.inner = inner
         self.lam = lam
+        self._form: PackedForm | None = None
 
     def _lam(self, like: torch.Tensor) -> torch.Tensor:
         return self.lam.to(device=like.device, dtype=torch.float32).clamp_min(LAMBDA_FLOOR)
@@ -42,3 +45,27 @@ class RotatedQuantizer(Quantizer):
 
     def bits_per_element(self, d: int, n_tokens: int) -> float:
         return self.inner.bits_per_element(d, n_tokens)
+
+    def packing_reason(self) -> str | None:
+        """None when the storage is one symmetric scalar code row per token with per-token or per-group
+        scales, the layout the fused cache and kernels read; else why not."""
+        inner = self.inner
+        if not isinstance(inner, ScalarQuantizer):
+            return f"{type(inner).__name__} under a rotation declares no packed layout"
+        if not inner.symmetric:
+            return "asymmetric codes carry offsets, which no packed layout holds"
+        if inner.granularity not in ("per_token", "per_group"):
+            return f"granularity {inner.granularity} has no packed layout (its scales span tokens)"
+        return None
+
+    def packed_form(self) -> PackedForm | None:
+        if self.packing_reason() is not None:
+            return None
+        if self._form is None:
+            d, inner = self.rotation.d, self.inner
+            group = d if inner.granularity == "per_token" else inner.group_size
+            layout = PackedLayout(d, inner.bits, group, inner.scale_dtype, True, self.rotation.kind)
+            signs = getattr(self.rotation, "signs", torch.ones(d)).float()
+            lam = self.lam.float().clamp_min(LAMBDA_FLOOR) if self.lam is not None else None
+            self._form = PackedForm(layout, signs, self.rotation.matrix(), lam)
+        return self._form

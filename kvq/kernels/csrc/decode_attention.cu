@@ -31,10 +31,6 @@
 // Scales are float32, or fp16 with KVQ_SCALE_HALF 1 (ScalarQuantizer's scale_dtype float16): 16 or 8 bytes per
 // token and role.
 
-typedef unsigned int uint;
-typedef unsigned char uchar;
-typedef unsigned short ushort;
-
 #define KVQ_D 128
 #define KVQ_ROW_BYTES 64                  // int4 codes of one token
 #define KVQ_GROUPS 4                      // scale groups of 32 coordinates
@@ -62,146 +58,6 @@ typedef float kvq_scale;
 #define KVQ_LN2 0.6931471805599453f
 #define KVQ_FULL 0xFFFFFFFFu
 #define KVQ_NEG_INF __int_as_float(0xFF800000)
-
-#if defined(KVQ_ELEM_FLOAT32)
-typedef float kvq_elem;
-__device__ __forceinline__ float kvq_to_float(float x) { return x; }
-__device__ __forceinline__ float kvq_from_float(float x) { return x; }
-#elif defined(KVQ_ELEM_FLOAT16)
-typedef ushort kvq_elem;
-__device__ __forceinline__ float kvq_to_float(ushort x) {
-    float out;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(x));
-    return out;
-}
-__device__ __forceinline__ ushort kvq_from_float(float x) {
-    ushort out;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out) : "f"(x));
-    return out;
-}
-#else
-typedef ushort kvq_elem;
-__device__ __forceinline__ float kvq_to_float(ushort x) { return __uint_as_float((uint)x << 16); }
-__device__ __forceinline__ ushort kvq_from_float(float x) {
-    ushort out;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(x));
-    return out;
-}
-#endif
-
-__device__ __forceinline__ uint kvq_prmt(uint a, uint b, uint selector) {
-    uint out;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
-    return out;
-}
-
-__device__ __forceinline__ uint kvq_half2(float low, float high) {
-    uint out;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(high), "f"(low));
-    return out;
-}
-
-// The two fp16 halves of a word as floats, the low one in x.
-__device__ __forceinline__ float2 kvq_half2_floats(uint pair) {
-    float low, high;
-    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-        : "=f"(low), "=f"(high) : "r"(pair));
-    return make_float2(low, high);
-}
-
-__device__ __forceinline__ float kvq_half2_sum(uint pair) {
-    float2 halves = kvq_half2_floats(pair);
-    return halves.x + halves.y;
-}
-
-// Scale groups 2 (r / 4) and 2 (r / 4) + 1 of a token's row of scales in a stage.
-__device__ __forceinline__ float2 kvq_scale_pair(const uchar* row, uint r) {
-#if KVQ_SCALE_HALF
-    return kvq_half2_floats(*(const uint*)(row + 4 * (r / 4)));
-#else
-    return *(const float2*)(row + 8 * (r / 4));
-#endif
-}
-
-__device__ __forceinline__ float kvq_exp2(float x) {
-    float out;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(out) : "f"(x));
-    return out;
-}
-
-// (lanes & mask) ^ bits in one instruction (written in C, it takes two: LOP3 holds one immediate).
-__device__ __forceinline__ uint kvq_and_xor(uint lanes, uint mask, uint bits) {
-    uint out;
-    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(out) : "r"(lanes), "r"(mask), "r"(bits));
-    return out;
-}
-
-// The low nibbles of two 16-bit lanes, n two's complement, as fp16 1024 + (n ^ 8) = 1032 + n; the high
-// ones as 1024 + 16 (n ^ 8) = 1152 + 16 n.
-__device__ __forceinline__ uint kvq_biased_low(uint lanes) { return kvq_and_xor(lanes, 0x000F000Fu, 0x64086408u); }
-__device__ __forceinline__ uint kvq_biased_high(uint lanes) { return kvq_and_xor(lanes, 0x00F000F0u, 0x64806480u); }
-
-// The same as exact fp16 integers n.
-__device__ __forceinline__ uint kvq_low_nibbles(uint lanes) {
-    uint out;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(out) : "r"(kvq_biased_low(lanes)), "r"(0x64086408u));
-    return out;
-}
-__device__ __forceinline__ uint kvq_high_nibbles(uint lanes) {
-    uint out;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(kvq_biased_high(lanes)), "r"(0x2C002C00u), "r"(0xD480D480u));
-    return out;
-}
-
-// d = a b + d, m16n8k16, fp16 operands, fp32 accumulators.
-__device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint kvq_shared_address(const void* pointer) {
-    uint address;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
-    return address;
-}
-
-// 16 bytes global -> shared, zero-filled past `bytes`.
-__device__ __forceinline__ void kvq_copy16(uint shared, const void* global, uint bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(bytes) : "memory");
-}
-
-// One token's scales global -> shared (16 bytes, or 8 for fp16 scales: a row of fp16 scales is 8-byte aligned
-// only), zero-filled unless `valid`.
-__device__ __forceinline__ void kvq_copy_scales(uint shared, const void* global, bool valid) {
-#if KVQ_SCALE_HALF
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(shared), "l"(global), "r"(valid ? 8 : 0)
-                 : "memory");
-#else
-    kvq_copy16(shared, global, valid ? 16 : 0);
-#endif
-}
-
-// V's tile rows sit permuted, and their 16-byte chunks swizzled, so that each of the eight 32-bit reads of
-// a step (tokens 2c + e (+ 8), one word per lane) hits 32 distinct banks.
-__device__ __forceinline__ uint kvq_v_row(uint token) { return token ^ ((token >> 1) & 1u); }
-__device__ __forceinline__ uint kvq_v_chunk(uint token, uint chunk) { return chunk ^ ((token >> 2) & 1u); }
-
-// Programmatic dependent launch (compute capability 9.0 on; kvq.kernels.decode_attention launches these kernels plainly
-// before sm_90, where the stream's order alone serializes them and griddepcontrol does not assemble).
-// kvq_launch_dependents: the stream's next kernel may launch now. kvq_await_previous_kernel: waits until the
-// previous kernel has finished and its writes are visible.
-__device__ __forceinline__ void kvq_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-__device__ __forceinline__ void kvq_await_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // One lane's share of a tile's copies (four 16-byte chunks of codes and one token's scales): where they go
 // in a stage, and where they come from for the warp's first tile; a warp's next tile lies KVQ_WARPS tiles on.
@@ -329,11 +185,35 @@ __device__ __forceinline__ void kvq_map_query(const kvq_query_map_fragments& map
     }
 }
 
-__device__ __forceinline__ void kvq_packed_split(
-    uchar* stages, float* rows, const kvq_elem* query, const uint4* query_map, const uchar* key_codes,
-    const kvq_scale* key_scales, const uchar* value_codes, const kvq_scale* value_scales, float* partial,
-    float* maxima, float* sums, uint start, uint end, uint bh, uint gqa, uint capacity, uint n_splits, uint split,
-    float scale) {
+// kvq_decode_partial's arguments as one __grid_constant__ parameter, which the split functions read in place
+// (kvq.kernels.cuda_decode.DecodeArguments mirrors it field for field).
+struct kvq_decode_args {
+    const uint4* query_map;
+    const kvq_elem* query;
+    const uchar* key_codes;
+    const kvq_scale* key_scales;
+    const uchar* value_codes;
+    const kvq_scale* value_scales;
+    const kvq_elem* window_keys;
+    const kvq_elem* window_values;
+    float* partial;
+    float* maxima;
+    float* sums;
+    const long long* lengths;
+    uint n_packed, n_window, tokens_per_split, n_packed_splits, gqa, capacity, window_capacity;
+    float scale;
+    uint device_lengths;
+};
+
+// Tokens [start, end) of (batch, KV head) bh: split `split` of the grid's.
+__device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uchar* stages, float* rows, uint start,
+                                                 uint end, uint bh, uint split) {
+    const kvq_elem* query = args.query;
+    const uchar *key_codes = args.key_codes, *value_codes = args.value_codes;
+    const kvq_scale *key_scales = args.key_scales, *value_scales = args.value_scales;
+    float *partial = args.partial, *maxima = args.maxima, *sums = args.sums;
+    uint gqa = args.gqa, capacity = args.capacity, n_splits = gridDim.y;
+    float scale = args.scale;
     uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
     uint head = r % KVQ_HEADS;
 
@@ -352,7 +232,7 @@ __device__ __forceinline__ void kvq_packed_split(
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    kvq_query_map_fragments map = kvq_load_query_map(query_map, warp, lane);
+    kvq_query_map_fragments map = kvq_load_query_map(args.query_map, warp, lane);
     kvq_await_previous_kernel();
     kvq_map_query(map, query, rows, bh, gqa, warp, r, c);
     __syncthreads();
@@ -555,10 +435,11 @@ __device__ __forceinline__ void kvq_packed_split(
 }
 
 // The residual window (exact rows, at most a few dozen): warp h scores head h against each row in float32.
-__device__ __forceinline__ void kvq_window_split(const kvq_elem* query, const kvq_elem* window_keys,
-                                                 const kvq_elem* window_values, float* partial, float* maxima,
-                                                 float* sums, uint n_window, uint bh, uint gqa,
-                                                 uint window_capacity, uint n_splits, uint split, float scale) {
+__device__ __forceinline__ void kvq_window_split(const kvq_decode_args& args, uint n_window, uint bh, uint split) {
+    const kvq_elem *query = args.query, *window_keys = args.window_keys, *window_values = args.window_values;
+    float *partial = args.partial, *maxima = args.maxima, *sums = args.sums;
+    uint gqa = args.gqa, window_capacity = args.window_capacity, n_splits = gridDim.y;
+    float scale = args.scale;
     uint h = threadIdx.x / 32, lane = threadIdx.x % 32;
     kvq_await_previous_kernel();
     if (h >= gqa) return;
@@ -594,29 +475,24 @@ __device__ __forceinline__ void kvq_window_split(const kvq_elem* query, const kv
 // (B, Hq, splits); the query map in fragment order (D x D fp16, kvq_map_query). With device_lengths the token
 // counts come from `lengths` (packed << 32 | window).
 extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq_decode_partial(
-    const uint4* query_map, const kvq_elem* query, const uchar* key_codes, const kvq_scale* key_scales,
-    const uchar* value_codes, const kvq_scale* value_scales, const kvq_elem* window_keys, const kvq_elem* window_values,
-    float* partial, float* maxima, float* sums, const long long* lengths, uint n_packed, uint n_window,
-    uint tokens_per_split, uint n_packed_splits, uint kv_heads, uint gqa, uint capacity, uint window_capacity,
-    float scale, uint device_lengths) {
+    const __grid_constant__ kvq_decode_args args) {
+    uint n_packed = args.n_packed, n_window = args.n_window;
     __shared__ __align__(16) uchar stages[KVQ_WARPS * KVQ_STAGES * KVQ_STAGE_BYTES];
     __shared__ __align__(16) float mapped_rows[KVQ_HEADS * KVQ_D];
     // Programmatic dependent launch: the next kernel may launch now. This one reads the query only after
     // kvq_await_previous_kernel, and writes nothing before it: the previous step's reduce reads the partials.
     kvq_launch_dependents();
-    if (device_lengths) {  // never past the buffers, whatever the device holds
-        long long counts = *lengths;
-        n_packed = min((uint)(counts >> 32), capacity);
-        n_window = min((uint)(counts & 0xFFFFFFFF), window_capacity);
+    if (args.device_lengths) {  // never past the buffers, whatever the device holds
+        long long counts = *args.lengths;
+        n_packed = min((uint)(counts >> 32), args.capacity);
+        n_window = min((uint)(counts & 0xFFFFFFFF), args.window_capacity);
     }
     uint bh = blockIdx.x, split = blockIdx.y;
-    if (split < n_packed_splits) {
-        uint start = split * tokens_per_split, end = min(start + tokens_per_split, n_packed);
-        kvq_packed_split(stages, mapped_rows, query, query_map, key_codes, key_scales, value_codes, value_scales,
-                         partial, maxima, sums, start, end, bh, gqa, capacity, gridDim.y, split, scale);
+    if (split < args.n_packed_splits) {
+        uint start = split * args.tokens_per_split, end = min(start + args.tokens_per_split, n_packed);
+        kvq_packed_split(args, stages, mapped_rows, start, end, bh, split);
     } else {
-        kvq_window_split(query, window_keys, window_values, partial, maxima, sums, n_window, bh, gqa,
-                         window_capacity, gridDim.y, split, scale);
+        kvq_window_split(args, n_window, bh, split);
     }
 }
 

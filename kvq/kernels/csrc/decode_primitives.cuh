@@ -1,0 +1,148 @@
+// Device primitives of the decode attention kernels (decode_attention.cu, which follows this file in the
+// translation unit kvq.kernels.cuda_decode assembles): element conversions, PTX helpers, async copies and
+// programmatic dependent launch. KVQ_ELEM_* and KVQ_SCALE_HALF come from the defines ahead of both.
+
+typedef unsigned int uint;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+
+
+#if defined(KVQ_ELEM_FLOAT32)
+typedef float kvq_elem;
+__device__ __forceinline__ float kvq_to_float(float x) { return x; }
+__device__ __forceinline__ float kvq_from_float(float x) { return x; }
+#elif defined(KVQ_ELEM_FLOAT16)
+typedef ushort kvq_elem;
+__device__ __forceinline__ float kvq_to_float(ushort x) {
+    float out;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(x));
+    return out;
+}
+__device__ __forceinline__ ushort kvq_from_float(float x) {
+    ushort out;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out) : "f"(x));
+    return out;
+}
+#else
+typedef ushort kvq_elem;
+__device__ __forceinline__ float kvq_to_float(ushort x) { return __uint_as_float((uint)x << 16); }
+__device__ __forceinline__ ushort kvq_from_float(float x) {
+    ushort out;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(x));
+    return out;
+}
+#endif
+
+__device__ __forceinline__ uint kvq_prmt(uint a, uint b, uint selector) {
+    uint out;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
+    return out;
+}
+
+__device__ __forceinline__ uint kvq_half2(float low, float high) {
+    uint out;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(high), "f"(low));
+    return out;
+}
+
+// The two fp16 halves of a word as floats, the low one in x.
+__device__ __forceinline__ float2 kvq_half2_floats(uint pair) {
+    float low, high;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(low), "=f"(high) : "r"(pair));
+    return make_float2(low, high);
+}
+
+__device__ __forceinline__ float kvq_half2_sum(uint pair) {
+    float2 halves = kvq_half2_floats(pair);
+    return halves.x + halves.y;
+}
+
+// Scale groups 2 (r / 4) and 2 (r / 4) + 1 of a token's row of scales in a stage.
+__device__ __forceinline__ float2 kvq_scale_pair(const uchar* row, uint r) {
+#if KVQ_SCALE_HALF
+    return kvq_half2_floats(*(const uint*)(row + 4 * (r / 4)));
+#else
+    return *(const float2*)(row + 8 * (r / 4));
+#endif
+}
+
+__device__ __forceinline__ float kvq_exp2(float x) {
+    float out;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(out) : "f"(x));
+    return out;
+}
+
+// (lanes & mask) ^ bits in one instruction (written in C, it takes two: LOP3 holds one immediate).
+__device__ __forceinline__ uint kvq_and_xor(uint lanes, uint mask, uint bits) {
+    uint out;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(out) : "r"(lanes), "r"(mask), "r"(bits));
+    return out;
+}
+
+// The low nibbles of two 16-bit lanes, n two's complement, as fp16 1024 + (n ^ 8) = 1032 + n; the high
+// ones as 1024 + 16 (n ^ 8) = 1152 + 16 n.
+__device__ __forceinline__ uint kvq_biased_low(uint lanes) { return kvq_and_xor(lanes, 0x000F000Fu, 0x64086408u); }
+__device__ __forceinline__ uint kvq_biased_high(uint lanes) { return kvq_and_xor(lanes, 0x00F000F0u, 0x64806480u); }
+
+// The same as exact fp16 integers n.
+__device__ __forceinline__ uint kvq_low_nibbles(uint lanes) {
+    uint out;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(out) : "r"(kvq_biased_low(lanes)), "r"(0x64086408u));
+    return out;
+}
+__device__ __forceinline__ uint kvq_high_nibbles(uint lanes) {
+    uint out;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(kvq_biased_high(lanes)), "r"(0x2C002C00u), "r"(0xD480D480u));
+    return out;
+}
+
+// d = a b + d, m16n8k16, fp16 operands, fp32 accumulators.
+__device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint kvq_shared_address(const void* pointer) {
+    uint address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+    return address;
+}
+
+// 16 bytes global -> shared, zero-filled past `bytes`.
+__device__ __forceinline__ void kvq_copy16(uint shared, const void* global, uint bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(bytes) : "memory");
+}
+
+// One token's scales global -> shared (16 bytes, or 8 for fp16 scales: a row of fp16 scales is 8-byte aligned
+// only), zero-filled unless `valid`.
+__device__ __forceinline__ void kvq_copy_scales(uint shared, const void* global, bool valid) {
+#if KVQ_SCALE_HALF
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(shared), "l"(global), "r"(valid ? 8 : 0)
+                 : "memory");
+#else
+    kvq_copy16(shared, global, valid ? 16 : 0);
+#endif
+}
+
+// V's tile rows sit permuted, and their 16-byte chunks swizzled, so that each of the eight 32-bit reads of
+// a step (tokens 2c + e (+ 8), one word per lane) hits 32 distinct banks.
+__device__ __forceinline__ uint kvq_v_row(uint token) { return token ^ ((token >> 1) & 1u); }
+__device__ __forceinline__ uint kvq_v_chunk(uint token, uint chunk) { return chunk ^ ((token >> 2) & 1u); }
+
+// Programmatic dependent launch (compute capability 9.0 on; kvq.kernels.decode_attention launches these kernels plainly
+// before sm_90, where the stream's order alone serializes them and griddepcontrol does not assemble).
+// kvq_launch_dependents: the stream's next kernel may launch now. kvq_await_previous_kernel: waits until the
+// previous kernel has finished and its writes are visible.
+__device__ __forceinline__ void kvq_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void kvq_await_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}

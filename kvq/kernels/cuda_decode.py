@@ -1,0 +1,100 @@
+"""The CUDA kernels of fused decode attention (csrc/decode_attention.cu, built by NVRTC): which shapes they
+serve, their builds, and the query map in the fragment order their partial kernel reads.
+
+Its fragment layouts turn codes into tensor-core operands in registers, which Triton's layouts do not allow,
+and each of its programs maps its own query (an mma per warp on the map in fragment_order), which spares the
+step the map kernel's launch and its round trip through memory. Its reduce pass takes all of a query head's
+partials in one round trip, where the Triton reduce needs a chain of loads per split.
+"""
+
+import ctypes
+from functools import lru_cache
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from kvq.kernels.backends import CudaLaunch
+from kvq.kernels.launch import properties
+from kvq.kernels.plan import KERNEL_SCALE_DTYPES
+from kvq.kernels.source import DTYPE_DEFINES, kernel_text
+
+HEAD_DIM = 128  # csrc/decode_attention.cu's KVQ_D
+GROUPS = 4  # its scale groups per row (32 coordinates each)
+MAX_GQA = 4  # its query heads per KV head
+MMA_TILE = 16  # rows and columns of an m16n8k16 A fragment
+
+
+class DecodeArguments(ctypes.Structure):
+    """csrc/decode_attention.cu's kvq_decode_args, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "query_map", "query", "key_codes", "key_scales", "value_codes", "value_scales", "window_keys",
+        "window_values", "partial", "maxima", "sums", "lengths")] + [(name, ctypes.c_uint) for name in (
+            "n_packed", "n_window", "tokens_per_split", "n_packed_splits", "gqa", "capacity",
+            "window_capacity")] + [("scale", ctypes.c_float), ("device_lengths", ctypes.c_uint)]
+
+    @classmethod
+    def of(cls, buffers: list[torch.Tensor], counts: list[int], scale: float, device_lengths: bool):
+        """buffers: the twelve pointers in field order; counts: the seven counts in field order."""
+        return cls(*(t.data_ptr() for t in buffers), *counts, scale, int(device_lengths))
+
+
+def builds_on(device: torch.device) -> bool:
+    """csrc/decode_attention.cu needs sm_80 (mma.sync m16n8k16, cp.async); Triton serves older GPUs."""
+    return properties(device).major >= 8
+
+
+def reduce_fits(query: torch.Tensor) -> bool:
+    """The reduce pass serves (B, Hq, d) queries of head_dim 128, after either partial kernel (they write the
+    same partials)."""
+    return query.shape[-1] == HEAD_DIM and query.dtype in DTYPE_DEFINES and builds_on(query.device)
+
+
+def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """The shapes csrc/decode_attention.cu is written for (its header), with the window in the query's dtype.
+    keys, values: PackedKV."""
+    return (builds_on(query.device) and keys.bits == values.bits == 4 and keys.head_dim == HEAD_DIM
+            and keys.scales.shape[-1] == values.scales.shape[-1] == GROUPS
+            and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
+            and query.shape[1] // keys.codes.shape[1] <= MAX_GQA and query.dtype in DTYPE_DEFINES
+            and window[0].dtype == window[1].dtype == query.dtype)
+
+
+def source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32) -> str:
+    """The translation unit of the partial and reduce kernels for query, window and output elements of
+    `dtype` and scales of `scale_dtype`."""
+    defines = f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n#define KVQ_SCALE_HALF {int(scale_dtype == torch.float16)}\n"
+    return defines + kernel_text("decode_primitives.cuh") + kernel_text("decode_attention.cu")
+
+
+@lru_cache(maxsize=8)
+def partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, device: torch.device) -> CudaLaunch:
+    return CudaLaunch.compile(source(dtype, scale_dtype), "kvq_decode_partial", device)
+
+
+@lru_cache(maxsize=8)
+def reduce_kernel(dtype: torch.dtype, device: torch.device) -> CudaLaunch:
+    """The reduce pass for outputs of `dtype` (the scales' dtype is not read)."""
+    return CudaLaunch.compile(source(dtype), "kvq_decode_reduce", device)
+
+
+def fragment_order(matrix: torch.Tensor) -> torch.Tensor:
+    """A d x d map (x -> x @ matrix) as kvq_map_query takes it: matrix^T in fp16, cut into m16n8k16 A
+    fragments, (m-tile, k-step, lane, register, half): lane (r, c) of tile (i, s) holds rows r and r + 8,
+    columns 2c, 2c + 1 and 2c + 8, 2c + 9 of block (i, s), so a warp reads a step in one 16-byte load per lane.
+
+    Kept per tensor while it lives and is not modified in place, so a captured step launches no conversion."""
+    hit = _fragments.get(matrix)
+    if hit is not None and hit[0] == matrix._version:
+        return hit[1]
+    tiles = matrix.shape[0] // MMA_TILE
+    blocks = matrix.T.to(torch.float16).reshape(tiles, MMA_TILE, tiles, MMA_TILE).permute(0, 2, 1, 3)
+    lane, register, half = (torch.arange(n, device=matrix.device) for n in (32, 4, 2))
+    rows = lane[:, None, None] // 4 + 8 * (register[None, :, None] % 2)  # broadcast over `half`
+    columns = 2 * (lane[:, None, None] % 4) + 8 * (register[None, :, None] // 2) + half
+    fragments = blocks[:, :, rows, columns].contiguous()
+    _fragments[matrix] = (matrix._version, fragments)
+    return fragments
+
+
+_fragments = WeakIdKeyDictionary()  # map tensor -> (its _version when built, its fragments)

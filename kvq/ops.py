@@ -1,0 +1,198 @@
+"""The one door to kvq's kernels: quantize rows into a PackedLayout, dequantize them, and attend from packed K/V.
+
+Each is a torch.library custom op (kvq::quantize, kvq::dequantize, kvq::decode_attention) with a fake
+implementation, so torch.compile traces through them, and an implementation per device: the fused kernels
+on CUDA (and Metal for quantize/dequantize) where they cover the layout, the torch reference elsewhere and
+for every layout they do not (logged once, with the reason, under the "kvq.kernels" logger). The
+reference is the quantizers' own arithmetic, so kernel and reference agree on every device.
+
+encode / decode take a quantizer: they go through the ops when it declares a PackedForm, and through the
+quantizer's own encode / decode when it does not.
+"""
+
+import torch
+
+from kvq.kernels import backend_for, note_fallback
+from kvq.kernels import decode_attention as attention
+from kvq.kernels.decode_attention import DecodeStep, PackedKV
+from kvq.kernels.plan import kernel_constants, packed_codes, unsupported_reason
+from kvq.quant.base import Packed, Quantizer
+from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
+from kvq.quant.rotated import RotatedPacked
+from kvq.quant.scalar import SCALE_DTYPES, ScalarPacked, ScalarQuantizer
+from kvq.rotations import MatrixRotation, Rotation, signed_rotation
+
+SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
+
+
+def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, rotation_kind: str) -> PackedLayout:
+    return PackedLayout(head_dim, bits, group_size, scale_dtype, True, rotation_kind)
+
+
+def _rotation(rotation: torch.Tensor, kind: str) -> Rotation:
+    return signed_rotation(kind, rotation) if kind in SIGNED_ROTATIONS else MatrixRotation(rotation)
+
+
+def _scalar(layout: PackedLayout) -> ScalarQuantizer:
+    return ScalarQuantizer(layout.bits, "per_group", layout.group_size, True, SCALE_DTYPE_NAMES[layout.scale_dtype])
+
+
+def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
+                       layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """RotatedQuantizer.encode's arithmetic on (n, d) rows. rotation: the signs (d,) of a signed rotation
+    kind, else its matrix (d, d)."""
+    y = _rotation(rotation, layout.rotation).forward(rows.float())
+    if lam is not None:
+        y = y * lam.float()
+    packed = _scalar(layout).encode(y)
+    return packed.codes, packed.scale.reshape(rows.shape[0], layout.groups)
+
+
+def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor,
+                         lam: torch.Tensor | None, layout: PackedLayout, dtype: torch.dtype) -> torch.Tensor:
+    """RotatedQuantizer.decode's arithmetic, in `dtype`."""
+    inner = ScalarPacked(codes, scales.unsqueeze(-1), None, None, (codes.shape[0], layout.head_dim), torch.float32)
+    y = _scalar(layout).decode(inner).float()
+    if lam is not None:
+        y = y / lam.float()
+    return _rotation(rotation, layout.rotation).inverse(y).to(dtype)
+
+
+def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, rotation_kind: str) -> PackedLayout:
+    d = codes.shape[-1] * 8 // bits
+    return _layout(d, bits, d // scales.shape[-1], scales.dtype, rotation_kind)
+
+
+@torch.library.custom_op("kvq::quantize", mutates_args=())
+def _quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, bits: int, group_size: int,
+              scale_dtype: torch.dtype, rotation_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) rows -> codes (n, d * bits / 8) uint8 and scales (n, d / group_size)."""
+    return reference_quantize(rows, rotation, lam, _layout(rows.shape[-1], bits, group_size, scale_dtype,
+                                                           rotation_kind))
+
+
+@_quantize.register_fake
+def _(rows, rotation, lam, bits, group_size, scale_dtype, rotation_kind):
+    n, d = rows.shape
+    return rows.new_empty(n, d * bits // 8, dtype=torch.uint8), rows.new_empty(n, d // group_size, dtype=scale_dtype)
+
+
+@torch.library.custom_op("kvq::dequantize", mutates_args=())
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
+                bits: int, dtype: torch.dtype, rotation_kind: str) -> torch.Tensor:
+    """codes (n, d * bits / 8) and scales (n, groups) -> rows (n, d) of `dtype`."""
+    return reference_dequantize(codes, scales, rotation, lam, _decoded_layout(codes, scales, bits, rotation_kind),
+                                dtype)
+
+
+@_dequantize.register_fake
+def _(codes, scales, rotation, lam, bits, dtype, rotation_kind):
+    return codes.new_empty(codes.shape[0], codes.shape[-1] * 8 // bits, dtype=dtype)
+
+
+def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, rotation_kind):
+    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, rotation_kind)
+    reason = unsupported_reason(layout)
+    if reason is not None:
+        note_fallback("kvq::quantize", layout, reason)
+        return reference_quantize(rows, rotation, lam, layout)
+    return backend_for(rows.device).quantize(layout, kernel_constants(rotation, lam), rows.contiguous())
+
+
+def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, rotation_kind):
+    layout = _decoded_layout(codes, scales, bits, rotation_kind)
+    reason = unsupported_reason(layout)
+    if reason is not None:
+        note_fallback("kvq::dequantize", layout, reason)
+        return reference_dequantize(codes, scales, rotation, lam, layout, dtype)
+    return backend_for(codes.device).dequantize(layout, kernel_constants(rotation, lam), codes.contiguous(),
+                                                scales.contiguous(), dtype)
+
+
+for _device in ("cuda", "mps"):
+    _quantize.register_kernel(_device)(_kernel_quantize)
+    _dequantize.register_kernel(_device)(_kernel_dequantize)
+
+
+@torch.library.custom_op("kvq::decode_attention", mutates_args=())
+def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: torch.Tensor,
+                      key_scales: torch.Tensor, value_codes: torch.Tensor, value_scales: torch.Tensor,
+                      window_keys: torch.Tensor, window_values: torch.Tensor, output_map: torch.Tensor, scale: float,
+                      bits: int) -> torch.Tensor:
+    return attention.decode_attention_reference(query, _step(query, query_map, (key_codes, key_scales), (
+        value_codes, value_scales), (window_keys, window_values), output_map, bits), scale)
+
+
+@_decode_attention.register_fake
+def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
+      scale, bits):
+    return torch.empty_like(query)
+
+
+@_decode_attention.register_kernel("cuda")
+def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
+      scale, bits):
+    step = _step(query, query_map, (key_codes, key_scales), (value_codes, value_scales),
+                 (window_keys, window_values), output_map, bits)
+    reason = attention.unsupported_reason(query, step)
+    if reason is not None:
+        note_fallback("kvq::decode_attention", attention.step_description(query, step), reason)
+        return attention.decode_attention_reference(query, step, scale)
+    return attention.decode_attention(query, step, scale)
+
+
+def _step(query, query_map, keys: tuple, values: tuple, window: tuple, output_map, bits: int) -> DecodeStep:
+    d = query.shape[-1]
+    return DecodeStep(PackedKV(*keys, bits, d), PackedKV(*values, bits, d), window, query_map, output_map)
+
+
+def quantize(rows: torch.Tensor, form: PackedForm) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (..., d) -> codes (..., d * bits / 8) uint8 and scales (..., groups) in form.layout."""
+    form = form.on(rows.device)
+    layout = form.layout
+    codes, scales = torch.ops.kvq.quantize(rows.reshape(-1, layout.head_dim), form.rotation_input, form.lam,
+                                           layout.bits, layout.group_size, layout.scale_dtype, layout.rotation)
+    lead = rows.shape[:-1]
+    return codes.view(*lead, layout.code_bytes), scales.view(*lead, layout.groups)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtype: torch.dtype) -> torch.Tensor:
+    """codes (..., d * bits / 8) and scales (..., groups) in form.layout -> rows (..., d) of `dtype`."""
+    form = form.on(codes.device)
+    layout = form.layout
+    rows = torch.ops.kvq.dequantize(codes.reshape(-1, layout.code_bytes), scales.reshape(-1, layout.groups),
+                                    form.rotation_input, form.lam, layout.bits, dtype, layout.rotation)
+    return rows.view(*codes.shape[:-1], layout.head_dim)
+
+
+def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float) -> torch.Tensor:
+    """query (B, Hq, d) -> attention output (B, Hq, d) over the step's packed K/V and exact window."""
+    keys, values = step.keys, step.values
+    return torch.ops.kvq.decode_attention(query, step.query_map, keys.codes, keys.scales, values.codes,
+                                          values.scales, *step.window, step.output_map, float(scale), keys.bits)
+
+
+def encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
+    """quantizer.encode(x), through kvq::quantize where the quantizer declares a packed layout."""
+    form = quantizer.packed_form()
+    if form is None:
+        return quantizer.encode(x)
+    codes, scales = quantize(x, form)
+    return packed_codes(codes, scales, x.shape, x.dtype)
+
+
+def metered_encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
+    return quantizer.meter(encode(quantizer, x), x.numel())
+
+
+def decode(quantizer: Quantizer, packed: Packed) -> torch.Tensor:
+    """quantizer.decode(packed) in packed's recorded dtype, through kvq::dequantize where the quantizer declares
+    a packed layout."""
+    form = quantizer.packed_form()
+    if form is None or not isinstance(packed, RotatedPacked):
+        return quantizer.decode(packed)
+    inner = packed.inner
+    return dequantize(inner.codes, inner.scale.squeeze(-1), form, inner.dtype)
+
+
+__all__ = ["decode", "decode_attention", "dequantize", "encode", "metered_encode", "quantize"]

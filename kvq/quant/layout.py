@@ -1,0 +1,60 @@
+"""What a quantizer stores, declared for the kernels: its PackedLayout and the constants that go with it.
+
+A quantizer that stores rows as symmetric scalar codes after a rotation and a per-channel lambda
+(y = lam * (R x), SRFT paper Sec. 5.1) declares a PackedForm; kvq.ops and the fused cache read only
+that, never the quantizer's attributes. Quantizers that store anything else declare none.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Rotations named by kind: the kernels apply these from their sign vector alone. "matrix" is any other
+# orthogonal map (learned, composed), which only the reference applies, from its matrix.
+SIGNED_ROTATIONS = ("identity", "srht", "srft")
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Codes of `bits` bits per coordinate, packed little-end first, `head_dim` / `group_size` scales per row
+    (one per token when group_size == head_dim) in `scale_dtype`, after rotation `rotation`."""
+
+    head_dim: int
+    bits: int
+    group_size: int
+    scale_dtype: torch.dtype = torch.float32
+    symmetric: bool = True
+    rotation: str = "identity"
+
+    @property
+    def code_bytes(self) -> int:
+        return self.head_dim * self.bits // 8
+
+    @property
+    def groups(self) -> int:
+        return self.head_dim // self.group_size
+
+
+@dataclass(frozen=True, eq=False)
+class PackedForm:
+    """A layout with its constants: `signs` (head_dim,) of the signed rotation (ones for the identity),
+    `matrix` (head_dim, head_dim) with R x = x @ matrix.T, and lambda floored as decode divides by it."""
+
+    layout: PackedLayout
+    signs: torch.Tensor
+    matrix: torch.Tensor
+    lam: torch.Tensor | None = None
+    _on: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rotation_input(self) -> torch.Tensor:
+        """What kvq::quantize takes as its rotation: the signs of a signed rotation, else the matrix."""
+        return self.signs if self.layout.rotation in SIGNED_ROTATIONS else self.matrix
+
+    def on(self, device: torch.device) -> "PackedForm":
+        """The same form with its constants on `device`, made once per device."""
+        key = str(device)
+        if key not in self._on:
+            lam = self.lam.to(device) if self.lam is not None else None
+            self._on[key] = PackedForm(self.layout, self.signs.to(device), self.matrix.to(device), lam)
+        return self._on[key]
