@@ -418,13 +418,15 @@ def bench_decode(
 def list_names():
     """Built-in models, quantizers and granularities."""
     from kvq.models import BUILTINS
-    from kvq.quant import QUANTIZERS
+    from kvq.quant import QUANTIZERS, describe
     from kvq.quant.scalar import GRANULARITIES
 
     typer.echo("models:")
     for builtin in BUILTINS.values():
         typer.echo(f"  {builtin.name:22s} {builtin.description}")
-    typer.echo("quantizers: " + ", ".join(QUANTIZERS.names()))
+    typer.echo("quantizers (spec fields they read; options with defaults):")
+    for name in QUANTIZERS.names():
+        typer.echo(f"  {name:10s} {describe(QUANTIZERS.get(name))}")
     typer.echo("granularities: " + ", ".join(GRANULARITIES))
 
 

@@ -12,6 +12,7 @@ import pandas as pd
 from kvq.fingerprint import record_digest
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
+from kvq.quant.scalar import GROUPED
 from kvq.store import read_json
 
 CELL_FORMAT_PREFIX = "kvq-cell/"  # every format version holds the fields read here
@@ -37,7 +38,7 @@ def _row(record: dict, path: Path) -> dict:
     config = record["config"]
     quant = QuantSpec(**config["quant"])
     unseeded = QuantSpec(**{**config["quant"], "seed": 0})
-    granularity = quant.granularity + (f"-g{quant.group_size}" if "group" in quant.granularity else "")
+    granularity = quant.granularity + (f"-g{quant.group_size}" if quant.granularity in GROUPED else "")
     protocol = Protocol(**config.get("protocol", {}))
     suffix = f" {protocol.label()}" if not protocol.is_default else ""
     return {

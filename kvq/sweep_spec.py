@@ -12,7 +12,7 @@ from kvq.errors import KvqError
 from kvq.experiment import DataSpec
 from kvq.protocol import Protocol
 from kvq.quant import QUANTIZERS, SCALAR_FIELDS, QuantSpec, check_options, is_seeded, used_fields
-from kvq.quant.scalar import GRANULARITIES, SCALE_DTYPES
+from kvq.quant.scalar import GRANULARITIES, GROUPED, SCALE_DTYPES
 from kvq.yamlspec import LocatedMapping, load_located
 
 METRICS = ("ppl",)
@@ -258,7 +258,7 @@ def _without_unused_fields(quant: QuantSpec) -> QuantSpec:
     defaults = QuantSpec()
     uses = used_fields(quant.quantizer)
     unused = {name: getattr(defaults, name) for name in SCALAR_FIELDS - uses}
-    if "granularity" in uses and "group" not in quant.granularity:
+    if "granularity" in uses and quant.granularity not in GROUPED:
         unused["group_size"] = defaults.group_size
     return replace(quant, **unused)
 

@@ -14,7 +14,7 @@ def test_every_quantizer_rejects_a_knob_it_does_not_declare(name, role):
 @pytest.mark.parametrize("role", ["k", "v"])
 @pytest.mark.parametrize("name", QUANTIZERS.names())
 def test_declared_knobs_are_type_checked(name, role):
-    declared = QUANTIZERS.get(name).options
+    declared = QUANTIZERS.get(name).options()
     for knob in declared:
         with pytest.raises(KvqError, match=f"{name} option '{knob}' must be"):
             build_quantizer(QuantSpec(name, options={knob: [1]}), Site(0, role, 64))

@@ -13,12 +13,15 @@ ceil(log2(24 S)) instead, what plain bit packing stores. This reference keeps in
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
+from kvq.quant.config import QuantizerConfig, register_quantizer
 from kvq.quant.quaternion import binary_tetrahedral, hamilton, random_unit_quaternions
+from kvq.quant.spec import Site
 
 SECONDARY_SIZES = (24, 48, 96, 192)
 RADIUS_BITS = range(2, 7)
@@ -132,3 +135,18 @@ class HQMQ(Quantizer):
             raise KvqError(f"hqmq needs head_dim divisible by 4, got {d}")
         flag = 1 / 4 if self.outlier_c is not None else 0.0
         return (self.index_bits + self.radius_bits) / 4 + 16 / d + flag
+
+
+@register_quantizer("hqmq")
+@dataclass(frozen=True)
+class HQMQConfig(QuantizerConfig):
+    """S: secondary codebook size; r: radius bits; outlier_c: Med3x threshold (None: off); index_bits:
+    'fractional' (log2 of the codebook size) or 'ceil' (whole bits per index)."""
+
+    S: int = 24
+    r: int = 4
+    outlier_c: int | float | None = None
+    index_bits: Literal["fractional", "ceil"] = "fractional"
+
+    def build(self, site: Site, seed: int) -> Quantizer:
+        return HQMQ(self.S, self.r, self.outlier_c, site.seed(seed), self.index_bits)

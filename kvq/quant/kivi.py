@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from kvq.quant.base import Packed, Quantizer
+from kvq.quant.config import QuantizerConfig, register_quantizer
 from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
+from kvq.quant.spec import Site
 
 
 @dataclass
@@ -62,3 +64,16 @@ class KIVI(Quantizer):
         n_quant = self.quantized_tokens(n_tokens)
         inner = self.inner.bits_per_element(d, self.group_size) if n_quant else 0.0
         return (n_quant * inner + (n_tokens - n_quant) * 16) / n_tokens
+
+
+@register_quantizer("kivi")
+@dataclass(frozen=True)
+class KIVIConfig(QuantizerConfig):
+    """K per channel over groups of group_size tokens, V per token in groups of group_size channels."""
+
+    bits: int
+    group_size: int
+    seeded = False
+
+    def build(self, site: Site, seed: int) -> Quantizer:
+        return KIVI(site.role, self.bits, self.group_size)

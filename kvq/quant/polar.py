@@ -20,8 +20,10 @@ import torch
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.codebooks import angle_range, polar_angle_codebook
+from kvq.quant.config import QuantizerConfig, register_quantizer
 from kvq.quant.packing import pack, packed_row_bytes, unpack
-from kvq.rotations import Rotation
+from kvq.quant.spec import Site
+from kvq.rotations import Rotation, build_rotation
 
 
 @dataclass
@@ -78,3 +80,18 @@ class PolarQuant(Quantizer):
     def bits_per_element(self, d: int, n_tokens: int) -> float:
         angle_bits = sum(packed_row_bytes(d >> (level + 1), b) * 8 for level, b in enumerate(self.level_bits))
         return (angle_bits + (d >> self.levels) * 16) / d
+
+
+@register_quantizer("polar")
+@dataclass(frozen=True)
+class PolarConfig(QuantizerConfig):
+    """Level-1 angles at `bits` bits, higher levels' at `upper_bits`, `levels` levels after `rotation`."""
+
+    bits: int
+    upper_bits: int = 2
+    levels: int = 4
+    rotation: str = "srft"
+
+    def build(self, site: Site, seed: int) -> Quantizer:
+        return PolarQuant(build_rotation(self.rotation, site.d, site.seed(seed)), self.bits, self.upper_bits,
+                          self.levels)

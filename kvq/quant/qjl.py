@@ -29,7 +29,10 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
+from kvq.quant.config import QuantizerConfig, register_quantizer
+from kvq.quant.scalar import ScalarQuantizer
 from kvq.quant.sketch import SignSketch, SketchPacked
+from kvq.quant.spec import Site
 from kvq.quant.split import channel_mask, group_outlier_channels
 
 
@@ -98,3 +101,30 @@ class QJLKeys(Quantizer):
             index_bits = math.ceil(n_tokens / self.group) * self.outliers * 8
             bits += self.outlier_sketch.bits_per_vector() * n_tokens + index_bits
         return bits / (d * n_tokens)
+
+
+@register_quantizer("qjl")
+@dataclass(frozen=True)
+class QJLConfig(QuantizerConfig):
+    """Keys: a QJL sketch of m rows (default 2 d), or initial_m rows in the first initial_layers layers;
+    values: the spec's scalar quantizer."""
+
+    bits: int
+    granularity: str
+    group_size: int
+    symmetric: bool
+    scale_dtype: str
+    m: int | None = None
+    initial_layers: int = 0
+    initial_m: int | None = None
+    orthogonal: bool = True
+    outliers: int = 0
+    outlier_group: int = 32
+
+    def build(self, site: Site, seed: int) -> Quantizer:
+        if site.role == "v":
+            return ScalarQuantizer(self.bits, self.granularity, self.group_size, self.symmetric, self.scale_dtype)
+        rows = self.m if self.m is not None else 2 * site.d
+        if site.layer < self.initial_layers and self.initial_m is not None:
+            rows = self.initial_m
+        return QJLKeys(site.d, rows, site.seed(seed), self.orthogonal, self.outliers, self.outlier_group)

@@ -3,9 +3,11 @@ from dataclasses import dataclass
 import torch
 
 from kvq.quant.base import Packed, Quantizer
+from kvq.quant.config import QuantizerConfig, register_quantizer
 from kvq.quant.layout import PackedForm, PackedLayout
 from kvq.quant.scalar import ScalarQuantizer
-from kvq.rotations import Rotation
+from kvq.quant.spec import Site
+from kvq.rotations import ROTATIONS, Composed, MatrixRotation, Rotation, build_rotation
 
 LAMBDA_FLOOR = 1e-6
 
@@ -69,3 +71,37 @@ class RotatedQuantizer(Quantizer):
             lam = self.lam.float().clamp_min(LAMBDA_FLOOR) if self.lam is not None else None
             self._form = PackedForm(layout, signs, self.rotation.matrix(), lam)
         return self._form
+
+
+@dataclass(frozen=True)
+class RotatedScalarConfig(QuantizerConfig):
+    """A fixed rotation (`rotation`, a kvq.rotations name) then the scalar quantizer; a calibration artifact's
+    learned rotation and lambda compose with it (Site.learned)."""
+
+    bits: int
+    granularity: str
+    group_size: int
+    symmetric: bool
+    scale_dtype: str
+    rotation = "identity"
+
+    def scalar(self) -> ScalarQuantizer:
+        return ScalarQuantizer(self.bits, self.granularity, self.group_size, self.symmetric, self.scale_dtype)
+
+    def build(self, site: Site, seed: int) -> Quantizer:
+        learned = site.learned
+        rotation = build_rotation(self.rotation, site.d, site.seed(learned.seed if learned else seed))
+        if learned and learned.rotation is not None:
+            rotation = Composed(rotation, MatrixRotation(learned.rotation))
+        return RotatedQuantizer(rotation, self.scalar(), learned.lam if learned else None)
+
+
+def _rotated_scalar(rotation_name: str) -> type[RotatedScalarConfig]:
+    return dataclass(frozen=True)(type(f"{rotation_name.upper()}Config", (RotatedScalarConfig,), {
+        "rotation": rotation_name, "seeded": rotation_name != "identity", "__module__": __name__,
+        "__doc__": f"{rotation_name} rotation, then the scalar quantizer."}))
+
+
+register_quantizer("int")(_rotated_scalar("identity"))
+for _name in ROTATIONS.names():
+    register_quantizer(_name)(_rotated_scalar(_name))

@@ -17,6 +17,7 @@ from kvq.quant.base import Packed, Quantizer
 from kvq.quant.packing import pack, packed_row_bytes, unpack
 
 GRANULARITIES = ("per_token", "per_channel", "per_group", "per_channel_group")
+GROUPED = ("per_group", "per_channel_group")  # the granularities that read group_size
 SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -27,6 +27,7 @@ class QuantSpec:
 
     def label(self) -> str:
         from kvq.quant import used_fields  # the registry imports this module
+        from kvq.quant.scalar import GROUPED
 
         uses = used_fields(self.quantizer)
         parts = [self.quantizer]
@@ -34,7 +35,7 @@ class QuantSpec:
             parts.append(f"{self.bits}b")
         if "granularity" in uses:
             parts.append(self.granularity)
-        if "group_size" in uses and ("group" in self.granularity or "granularity" not in uses):
+        if "group_size" in uses and (self.granularity in GROUPED or "granularity" not in uses):
             parts.append(f"g{self.group_size}")
         if "symmetric" in uses and not self.symmetric:
             parts.append("asym")

@@ -20,15 +20,19 @@ user to set.
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.codebooks import lloyd_max_gaussian
+from kvq.quant.config import QuantizerConfig, register_quantizer
 from kvq.quant.packing import pack, packed_row_bytes, unpack
 from kvq.quant.sketch import SignSketch, SketchPacked
-from kvq.rotations import Rotation
+from kvq.quant.spec import Site
+from kvq.quant.split import ChannelSplit
+from kvq.rotations import Rotation, build_rotation
 
 
 @dataclass
@@ -91,3 +95,34 @@ class TurboQuant(Quantizer):
         if self.residual:
             bits += self.residual.bits_per_vector()
         return bits / d
+
+
+OUTLIER_SEED_OFFSET = 1 << 40  # past every site seed, so the two instances' rotations are independent
+
+
+@register_quantizer("turbo")
+@dataclass(frozen=True)
+class TurboConfig(QuantizerConfig):
+    """variant mse (Alg. 1) everywhere, or prod (Alg. 2) on keys with mse on values; with `outliers`
+    channels per `outlier_group` tokens at `outlier_bits` (default bits + 1) beside the rest at `bits`
+    (ChannelSplit)."""
+
+    bits: int
+    rotation: str = "srft"
+    variant: Literal["mse", "prod"] = "mse"
+    outliers: int = 0
+    outlier_bits: int | None = None
+    outlier_group: int = 32
+
+    def instance(self, site: Site, d: int, bits: int, seed: int) -> "TurboQuant":
+        rotation = build_rotation(self.rotation, d, seed)
+        return TurboQuant(rotation, bits, prod=self.variant == "prod" and site.role == "k", seed=seed)
+
+    def build(self, site: Site, seed: int) -> Quantizer:
+        seed = site.seed(seed)
+        if not self.outliers:
+            return self.instance(site, site.d, self.bits, seed)
+        outlier_bits = self.outlier_bits if self.outlier_bits is not None else self.bits + 1
+        outliers = self.instance(site, self.outliers, outlier_bits, seed + OUTLIER_SEED_OFFSET)
+        regular = self.instance(site, site.d - self.outliers, self.bits, seed)
+        return ChannelSplit(site.d, self.outliers, self.outlier_group, outliers, regular)
