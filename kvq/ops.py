@@ -186,13 +186,12 @@ def metered_encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
 
 
 def decode(quantizer: Quantizer, packed: Packed) -> torch.Tensor:
-    """quantizer.decode(packed) in packed's recorded dtype, through kvq::dequantize where the quantizer declares
-    a packed layout."""
+    """quantizer.decode(packed), through kvq::dequantize where the quantizer declares a packed layout."""
     form = quantizer.packed_form()
     if form is None or not isinstance(packed, RotatedPacked):
         return quantizer.decode(packed)
     inner = packed.inner
-    return dequantize(inner.codes, inner.scale.squeeze(-1), form, inner.dtype)
+    return dequantize(inner.codes, inner.scale.squeeze(-1), form, packed.dtype)
 
 
 __all__ = ["decode", "decode_attention", "dequantize", "encode", "metered_encode", "quantize"]

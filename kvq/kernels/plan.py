@@ -97,6 +97,6 @@ def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
 
 
 def packed_codes(codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype) -> RotatedPacked:
-    """Kernel-layout codes (..., bytes) and scales (..., groups) as the reference quantizers' packed
-    dataclass, so the reference can check and decode them."""
-    return RotatedPacked(ScalarPacked(codes, scales.unsqueeze(-1), None, None, tuple(shape), dtype))
+    """Kernel-layout codes (..., bytes) and scales (..., groups) of rows of `dtype` as the reference quantizers'
+    packed dataclass, so the reference can check and decode them."""
+    return RotatedPacked(ScalarPacked(codes, scales.unsqueeze(-1), None, None, tuple(shape), torch.float32), dtype)

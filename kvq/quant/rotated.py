@@ -14,7 +14,10 @@ LAMBDA_FLOOR = 1e-6
 
 @dataclass
 class RotatedPacked(Packed):
+    """The inner quantizer's packing of the rotated rows, and the input's dtype, which decode returns."""
+
     inner: Packed
+    dtype: torch.dtype
 
     def storage_bits(self) -> int:
         return self.inner.storage_bits()
@@ -37,13 +40,13 @@ class RotatedQuantizer(Quantizer):
         y = self.rotation.forward(x.float())
         if self.lam is not None:
             y = y * self._lam(y)
-        return RotatedPacked(self.inner.encode(y))
+        return RotatedPacked(self.inner.encode(y), x.dtype)
 
     def decode(self, packed: RotatedPacked) -> torch.Tensor:
         y = self.inner.decode(packed.inner).float()
         if self.lam is not None:
             y = y / self._lam(y)
-        return self.rotation.inverse(y)
+        return self.rotation.inverse(y).to(packed.dtype)
 
     def bits_per_element(self, d: int, n_tokens: int) -> float:
         return self.inner.bits_per_element(d, n_tokens)
