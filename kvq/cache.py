@@ -42,9 +42,10 @@ def held_bytes(tensors) -> int:
 
 class WindowedLayer(DynamicLayer):
     """A full-attention layer whose K/V are packed by its (layer, K|V) quantizers behind an exact window
-    of the newest `residual` tokens."""
+    of the newest `residual` tokens. Its buffers change shape as it grows: not compileable."""
 
     is_croppable = False
+    is_compileable = False
 
     def __init__(self, bank: QuantizerBank, layer: int, residual: int):
         super().__init__()
@@ -189,6 +190,9 @@ class FusedLayer(WindowedLayer):
         self.count = 0
         self.maps: DomainMaps | None = None
         self.decode_graph = DecodeGraph()
+        # True while fused_decoding routes the model's attention to attend(): only then may a decode step
+        # leave K/V packed and return the new row alone
+        self.rerouted = False
         self.deferred = False
         self.fused_steps = 0
         # (window rows, newest K and V) not yet written: a decode step's write rides in attend's dispatch
@@ -242,8 +246,8 @@ class FusedLayer(WindowedLayer):
             if total > flush:
                 self._write_window(0, pending["k"][..., flush:, :], pending["v"][..., flush:, :])
         self.count = total - flush
-        self.deferred = new == 1
-        if self.deferred:
+        self.deferred = new == 1 and self.rerouted
+        if self.deferred:  # attend() reads the packed codes; what update returns goes unread
             return key_states, value_states
         self.keys, self.values = self.materialize()
         return self.keys, self.values
@@ -316,10 +320,12 @@ def fused_decoding(model: torch.nn.Module, cache: QuantizedKVCache) -> Iterator[
     modules = [m for m in attention_modules(model) if m.layer_idx in fused]
     for module in modules:
         module.kvq_fused_layer = fused[module.layer_idx]
+        module.kvq_fused_layer.rerouted = True
     restore = switch_attention(model, FUSED_ATTENTION)
     try:
         yield
     finally:
         restore()
         for module in modules:
+            module.kvq_fused_layer.rerouted = False
             del module.kvq_fused_layer

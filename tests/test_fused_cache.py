@@ -11,7 +11,7 @@ from conftest import DEVICES
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
-from kvq.cache import FusedLayer, PackedStore, QuantizedKVCache, QuantizedLayer, fused_decoding
+from kvq.cache import FusedLayer, PackedStore, QuantizedKVCache, QuantizedLayer, WindowedLayer, fused_decoding
 from kvq.errors import KvqError
 from kvq.quant import QuantSpec
 
@@ -42,6 +42,7 @@ def test_fused_layer_attends_like_dequantized_reference(device, spec, prompt):
     bank = QuantizerBank(spec, KVGeometry(1, kv_heads, d))
     bank.get(0, "k").lam = torch.rand(d) + 0.5  # a calibrated lambda must round-trip through the maps
     reference, fused = QuantizedLayer(bank, 0, 16, True), FusedLayer(bank, 0, 16)
+    fused.rerouted = True  # as under fused_decoding: decode steps attend from the codes
     generator = torch.Generator().manual_seed(3)
 
     def states(tokens):
@@ -74,6 +75,7 @@ def test_fused_layer_keeps_decode_rows_that_no_attend_wrote():
     materializes instead, or nothing attends) materialize or the next update must write it."""
     bank = QuantizerBank(QuantSpec("srft", 8, "per_group", 32), KVGeometry(1, 2, 64))
     reference, fused = QuantizedLayer(bank, 0, 16, True), FusedLayer(bank, 0, 16)
+    fused.rerouted = True
     generator = torch.Generator().manual_seed(5)
     # 16 packed, 4 window rows; of 3 decode rows, the next update writes the first two and materialize the last
     for tokens in (20, 1, 1, 1):
@@ -82,6 +84,33 @@ def test_fused_layer_keeps_decode_rows_that_no_attend_wrote():
         fused.update(k, v)
     for got, want in zip(fused.materialize(), expected, strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_a_decode_step_outside_fused_decoding_returns_the_whole_cache():
+    """Unless fused_decoding routes attention to attend(), update must return attention-ready K/V: a model
+    whose attention was not rerouted would otherwise attend to the newest token alone."""
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), KVGeometry(1, 2, 64))
+    reference, fused = QuantizedLayer(bank, 0, 16, True), FusedLayer(bank, 0, 16)
+    generator = torch.Generator().manual_seed(7)
+    for tokens in (20, 1, 1):
+        k, v = (torch.randn(1, 2, tokens, 64, generator=generator) for _ in range(2))
+        expected, got = reference.update(k, v), fused.update(k, v)
+        assert not fused.deferred and got[0].shape[-2] == fused.get_seq_length()
+        for have, want in zip(got, expected, strict=True):
+            torch.testing.assert_close(have, want, atol=2e-5, rtol=0)
+    assert WindowedLayer.is_compileable is False
+
+
+def test_generate_with_a_fused_cache_but_plain_attention_matches_the_reference_cache():
+    torch.manual_seed(0)
+    config = llama_config()
+    model = LlamaForCausalLM(config).eval()
+    bank = QuantizerBank(QuantSpec("srft", 8, "per_group", 32), kv_geometry(config))
+    prompt = torch.randint(0, config.vocab_size, (1, 21))
+    options = dict(max_new_tokens=12, do_sample=False)
+    expected = model.generate(prompt, past_key_values=QuantizedKVCache(bank, config), **options)
+    got = model.generate(prompt, past_key_values=QuantizedKVCache(bank, config, fused=True), **options)
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("scale_dtype, scale_bytes", [("float32", 4), ("float16", 2)])
