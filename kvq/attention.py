@@ -8,9 +8,9 @@ kvq_window: cache mode under a kvq.protocol.Protocol: each query takes the exact
 positions inside its window and the quantizer's copies (or sketched keys) of the rest, from the
 ProtocolWriteCache the context manager attached to the module.
 
-kvq_fused: decode steps of a fused QuantizedKVCache layer (kvq.cache.FusedLayer) attend straight
-from the packed codes; every other call (prefill, sliding layers, masked batches) is plain SDPA.
-Masks are SDPA's for both.
+kvq_fused: decode steps of a fused QuantizedKVCache layer (kvq.cache.FusedLayer) or of a static quantized
+cache layer (kvq.static_cache) attend straight from the packed codes; every other call (prefill, sliding
+layers, masked or padded batches) is plain SDPA. Masks are SDPA's for both.
 """
 
 from collections.abc import Callable
@@ -60,7 +60,15 @@ def window_attention(module, query, key, value, attention_mask, scaling=None, **
 
 def fused_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     layer = getattr(module, "kvq_fused_layer", None)
-    if layer is not None and layer.deferred:
+    if layer is not None and layer.is_compileable:  # kvq.static_cache.StaticQuantizedLayer
+        if query.shape[-2] > 1:
+            # the kernels take no mask: decode steps attend from the codes only if no row is padded
+            layer.unpadded = attention_mask is None or bool(attention_mask[:, :, -1, :int(layer.length)].all())
+            if layer.unpadded and query.is_cuda:
+                layer.prepare(query[..., -1:, :])
+        elif layer.unpadded:
+            return layer.attend(query, scaling if scaling is not None else query.shape[-1] ** -0.5), None
+    elif layer is not None and layer.deferred:
         # A decode step whose update kept K/V packed: attend from the codes unless a mask forbids.
         if query.shape[-2] == 1 and attention_mask is None:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5

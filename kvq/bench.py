@@ -244,7 +244,14 @@ def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
 
 
 def _kvq_int4_static(model, batch: int, max_tokens: int) -> dict:
-    raise CacheUnavailable("kvq has no static (compilable) quantized cache yet")
+    from kvq.apply import QuantizerBank, kv_geometry
+    from kvq.quant import QuantSpec
+    from kvq.static_cache import StaticQuantizedCache
+
+    if model.device.type != "cuda":
+        raise CacheUnavailable("generate compiles a static cache's decode step on CUDA only")
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(model.config))
+    return {"past_key_values": StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens)}
 
 
 def _transformers_quantized(backend: str) -> Callable[..., dict]:
@@ -302,8 +309,9 @@ def _held_bytes(cache) -> int | None:
     from transformers.cache_utils import DynamicLayer, QuantizedLayer, StaticLayer
 
     from kvq.cache import QuantizedKVCache, held_bytes
+    from kvq.static_cache import StaticQuantizedCache
 
-    if isinstance(cache, QuantizedKVCache):
+    if isinstance(cache, (QuantizedKVCache, StaticQuantizedCache)):
         return cache.memory_bytes()
     layers = getattr(cache, "layers", None)
     plain = [isinstance(layer, (DynamicLayer, StaticLayer)) and not isinstance(layer, QuantizedLayer)
@@ -347,9 +355,11 @@ def generate_run(model, kwargs: dict, prompt: torch.Tensor, tokens: int) -> _Run
     from transformers import LogitsProcessorList
 
     from kvq.cache import QuantizedKVCache, fused_decoding
+    from kvq.static_cache import StaticQuantizedCache
 
     cache = kwargs.get("past_key_values")
-    routing = fused_decoding(model, cache) if isinstance(cache, QuantizedKVCache) else nullcontext()
+    kvq_cache = isinstance(cache, (QuantizedKVCache, StaticQuantizedCache))
+    routing = fused_decoding(model, cache) if kvq_cache else nullcontext()
     clock = _StepClock(prompt.device)
     cuda = prompt.device.type == "cuda"
     if cuda:

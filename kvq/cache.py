@@ -312,11 +312,12 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
 
 
 @contextmanager
-def fused_decoding(model: torch.nn.Module, cache: QuantizedKVCache) -> Iterator[None]:
-    """Routes the model's attention through kvq's fused decode attention for this cache's layers."""
-    fused = {index: layer for index, layer in enumerate(cache.layers) if isinstance(layer, FusedLayer)}
+def fused_decoding(model: torch.nn.Module, cache) -> Iterator[None]:
+    """Routes the model's attention through kvq's fused decode attention for this cache's layers: a
+    QuantizedKVCache built with fused=True, or a kvq.static_cache.StaticQuantizedCache."""
+    fused = {index: layer for index, layer in enumerate(cache.layers) if hasattr(layer, "attend")}
     if not fused:
-        raise KvqError("fused_decoding needs a QuantizedKVCache built with fused=True")
+        raise KvqError("fused_decoding needs a QuantizedKVCache built with fused=True or a StaticQuantizedCache")
     modules = [m for m in attention_modules(model) if m.layer_idx in fused]
     for module in modules:
         module.kvq_fused_layer = fused[module.layer_idx]

@@ -15,6 +15,7 @@ import torch
 from kvq.kernels import backend_for, note_fallback
 from kvq.kernels import decode_attention as attention
 from kvq.kernels.decode_attention import DecodeStep, PackedKV
+from kvq.kernels.launch import launch_for
 from kvq.kernels.plan import kernel_constants, packed_codes, unsupported_reason
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
@@ -118,27 +119,42 @@ for _device in ("cuda", "mps"):
 def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: torch.Tensor,
                       key_scales: torch.Tensor, value_codes: torch.Tensor, value_scales: torch.Tensor,
                       window_keys: torch.Tensor, window_values: torch.Tensor, output_map: torch.Tensor, scale: float,
-                      bits: int) -> torch.Tensor:
-    return attention.decode_attention_reference(query, _step(query, query_map, (key_codes, key_scales), (
-        value_codes, value_scales), (window_keys, window_values), output_map, bits), scale)
+                      bits: int, counts: torch.Tensor | None) -> torch.Tensor:
+    """counts: None to attend over every row given, or a one-element int64 tensor holding
+    device_lengths(packed rows, window rows): the leading rows of the buffers that count."""
+    step = _step(query, query_map, (key_codes, key_scales), (value_codes, value_scales),
+                 (window_keys, window_values), output_map, bits)
+    return attention.decode_attention_reference(query, _counted(step, counts), scale)
 
 
 @_decode_attention.register_fake
 def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
-      scale, bits):
+      scale, bits, counts):
     return torch.empty_like(query)
 
 
 @_decode_attention.register_kernel("cuda")
 def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
-      scale, bits):
+      scale, bits, counts):
     step = _step(query, query_map, (key_codes, key_scales), (value_codes, value_scales),
                  (window_keys, window_values), output_map, bits)
     reason = attention.unsupported_reason(query, step)
     if reason is not None:
         note_fallback("kvq::decode_attention", attention.step_description(query, step), reason)
-        return attention.decode_attention_reference(query, step, scale)
-    return attention.decode_attention(query, step, scale)
+        return attention.decode_attention_reference(query, _counted(step, counts), scale)
+    if counts is None:
+        return attention.decode_attention(query, step, scale)
+    return attention.decode_attention_gpu(query, step, scale, launch_for(query.device), lengths=counts)
+
+
+def _counted(step: DecodeStep, counts: torch.Tensor | None) -> DecodeStep:
+    """The step's leading rows that `counts` names (a host read: reference path only)."""
+    if counts is None:
+        return step
+    packed_and_window = int(counts.reshape(()))
+    n_packed, n_window = packed_and_window >> 32, packed_and_window & 0xFFFFFFFF
+    return DecodeStep(step.keys.rows(n_packed), step.values.rows(n_packed),
+                      tuple(w[..., :n_window, :] for w in step.window), step.query_map, step.output_map)
 
 
 def _step(query, query_map, keys: tuple, values: tuple, window: tuple, output_map, bits: int) -> DecodeStep:
@@ -165,11 +181,15 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtyp
     return rows.view(*codes.shape[:-1], layout.head_dim)
 
 
-def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float) -> torch.Tensor:
-    """query (B, Hq, d) -> attention output (B, Hq, d) over the step's packed K/V and exact window."""
+def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float,
+                     counts: torch.Tensor | None = None) -> torch.Tensor:
+    """query (B, Hq, d) -> attention output (B, Hq, d) over the step's packed K/V and exact window: all their
+    rows, or the leading rows `counts` names (a device tensor holding device_lengths(packed, window), so a
+    compiled or captured step reads the lengths without a host sync)."""
     keys, values = step.keys, step.values
     return torch.ops.kvq.decode_attention(query, step.query_map, keys.codes, keys.scales, values.codes,
-                                          values.scales, *step.window, step.output_map, float(scale), keys.bits)
+                                          values.scales, *step.window, step.output_map, float(scale), keys.bits,
+                                          counts)
 
 
 def encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:

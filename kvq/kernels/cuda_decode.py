@@ -8,10 +8,10 @@ partials in one round trip, where the Triton reduce needs a chain of loads per s
 """
 
 import ctypes
+import weakref
 from functools import lru_cache
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from kvq.kernels.backends import CudaLaunch
 from kvq.kernels.launch import properties
@@ -83,18 +83,30 @@ def fragment_order(matrix: torch.Tensor) -> torch.Tensor:
     fragments, (m-tile, k-step, lane, register, half): lane (r, c) of tile (i, s) holds rows r and r + 8,
     columns 2c, 2c + 1 and 2c + 8, 2c + 9 of block (i, s), so a warp reads a step in one 16-byte load per lane.
 
-    Kept per tensor while it lives and is not modified in place, so a captured step launches no conversion."""
-    hit = _fragments.get(matrix)
-    if hit is not None and hit[0] == matrix._version:
-        return hit[1]
+    Kept per map while it lives and is not modified in place, so a captured step launches no conversion. The
+    map is found by its address, as a compiled step hands the op another tensor object over the same memory;
+    made inside a CUDA graph capture that finds none kept, the fragments are the graph's own and are not kept
+    (a compiled step's graph pool must own every tensor allocated in it)."""
+    key = (matrix.data_ptr(), matrix.device, tuple(matrix.shape))
+    hit = _fragments.get(key)
+    if hit is not None:
+        source, version, fragments = hit
+        kept = source()
+        if kept is not None and kept.data_ptr() == key[0] and kept._version == version:
+            return fragments
     tiles = matrix.shape[0] // MMA_TILE
     blocks = matrix.T.to(torch.float16).reshape(tiles, MMA_TILE, tiles, MMA_TILE).permute(0, 2, 1, 3)
     lane, register, half = (torch.arange(n, device=matrix.device) for n in (32, 4, 2))
     rows = lane[:, None, None] // 4 + 8 * (register[None, :, None] % 2)  # broadcast over `half`
     columns = 2 * (lane[:, None, None] % 4) + 8 * (register[None, :, None] // 2) + half
     fragments = blocks[:, :, rows, columns].contiguous()
-    _fragments[matrix] = (matrix._version, fragments)
+    if not (matrix.is_cuda and torch.cuda.is_current_stream_capturing()):
+        def forget(dead: weakref.ref) -> None:
+            if key in _fragments and _fragments[key][0] is dead:
+                del _fragments[key]
+
+        _fragments[key] = (weakref.ref(matrix, forget), matrix._version, fragments)
     return fragments
 
 
-_fragments = WeakIdKeyDictionary()  # map tensor -> (its _version when built, its fragments)
+_fragments: dict[tuple, tuple] = {}  # (address, device, shape) -> (the map, its _version when built, fragments)

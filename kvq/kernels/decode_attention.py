@@ -149,14 +149,18 @@ _workspaces: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 def _workspace(batch: int, q_heads: int, n_splits: int, d: int, device: torch.device):
     """Mapped query, partial sums, maxima and normalizers, reused across calls, layers and captured
-    graphs (their kernels run in stream order)."""
+    graphs (their kernels run in stream order). One first made inside a CUDA graph capture is that graph's
+    own and is not kept (a compiled step's graph pool must own every tensor allocated in it)."""
     key = (batch, q_heads, n_splits, d, device)
-    if key not in _workspaces:
-        partial = torch.empty(batch, q_heads, n_splits, d, device=device, dtype=torch.float32)
-        maxima = torch.empty(batch, q_heads, n_splits, device=device, dtype=torch.float32)
-        mapped_query = torch.empty(batch, q_heads, d, device=device, dtype=torch.float32)
-        _workspaces[key] = (mapped_query, partial, maxima, torch.empty_like(maxima))
-    return _workspaces[key]
+    if key in _workspaces:
+        return _workspaces[key]
+    partial = torch.empty(batch, q_heads, n_splits, d, device=device, dtype=torch.float32)
+    maxima = torch.empty(batch, q_heads, n_splits, device=device, dtype=torch.float32)
+    mapped_query = torch.empty(batch, q_heads, d, device=device, dtype=torch.float32)
+    workspace = (mapped_query, partial, maxima, torch.empty_like(maxima))
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _workspaces[key] = workspace
+    return workspace
 
 
 def device_lengths(n_packed: int, n_window: int) -> int:

@@ -1,0 +1,159 @@
+"""A static quantized cache: preallocated packed K/V, written in place, for torch.compile and CUDA graphs.
+
+Every full-attention layer holds its K and V as codes and scales in its quantizers' PackedLayout for
+`max_cache_len` tokens, and the newest `window` tokens also exact, in a ring of `window` rows. Each token is
+quantized as it is written (kvq.ops.quantize, no fp16 copy of the prompt kept), so a step has no flush to
+branch on: attention reads the codes of positions before n - window and the ring's exact rows of the last
+window positions, n being the tokens written, and a prompt attends to itself exactly: kvq.protocol's
+Protocol(window, exact_prefill=True), the papers' generation protocol. Under `fused_decoding` a one-token step
+attends straight from the codes (kvq.ops.decode_attention, the token counts read from a device tensor); every
+call's `update` returns the whole buffer dequantized with the exact rows in place, which any attention
+implementation reads under the usual static-cache mask. Sliding-window layers stay transformers' static
+sliding layers.
+"""
+
+import torch
+from transformers import StaticCache
+from transformers.cache_utils import CacheLayerMixin
+
+from kvq import ops
+from kvq.apply import QuantizerBank
+from kvq.cache import DomainMaps, held_bytes
+from kvq.errors import KvqError
+from kvq.kernels.decode_attention import DecodeStep, PackedKV
+from kvq.quant.layout import PackedForm
+
+ROLES = ("k", "v")
+
+
+class StaticQuantizedLayer(CacheLayerMixin):
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, bank: QuantizerBank, layer: int, max_cache_len: int, window: int):
+        super().__init__()
+        if window < 1 or window > max_cache_len:
+            raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
+        self.forms: dict[str, PackedForm] = {}
+        for role in ROLES:
+            quantizer = bank.get(layer, role)
+            if quantizer.packed_form() is None:
+                raise KvqError(f"the static quantized cache stores packed layouts only: {quantizer.packing_reason()}")
+            self.forms[role] = quantizer.packed_form()
+        self.max_cache_len, self.window = max_cache_len, window
+        self.packed: dict[str, PackedKV] = {}
+        self.ring: dict[str, torch.Tensor] = {}
+        # Set by the attention function at prefill: whether every query row sees every written position (no
+        # padding), the condition for attending from the codes, whose kernels take no mask
+        self.unpadded = False
+        self.rerouted = False  # set by fused_decoding; update returns attention-ready K/V either way
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        lead = key_states.shape[:2]
+        for role, form in self.forms.items():
+            layout = form.layout
+            self.packed[role] = PackedKV(
+                torch.zeros(*lead, self.max_cache_len, layout.code_bytes, dtype=torch.uint8, device=self.device),
+                torch.zeros(*lead, self.max_cache_len, layout.groups, dtype=layout.scale_dtype, device=self.device),
+                layout.bits, layout.head_dim)
+            self.ring[role] = key_states.new_zeros(*lead, self.window, layout.head_dim)
+        self.forms = {role: form.on(self.device) for role, form in self.forms.items()}
+        self.maps = DomainMaps(self.forms["k"], self.forms["v"], self.device)
+        self.length = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens written
+        # (packed << 32 | window) rows the kernels attend over: kvq.kernels.decode_attention.device_lengths
+        self.counts = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.positions = torch.arange(self.max_cache_len, device=self.device)
+        if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs replay over them, copying none
+            for tensor in self._tensors():
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+    def _tensors(self) -> list[torch.Tensor]:
+        constants = [t for form in self.forms.values() for t in (form.signs, form.matrix, form.lam) if t is not None]
+        packed = [t for p in self.packed.values() for t in (p.codes, p.scales)]
+        return [*packed, *self.ring.values(), self.length, self.counts, self.positions, self.maps.query,
+                self.maps.output, *constants]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        if not torch.compiler.is_compiling() and int(self.length) + new > self.max_cache_len:
+            raise KvqError(f"static quantized cache holds {self.max_cache_len} tokens; writing {new} more after "
+                           f"{int(self.length)} exceeds it (build it with a larger max_cache_len)")
+        written = self.length + torch.arange(new, device=self.device)
+        recent = min(new, self.window)
+        for role, states in zip(ROLES, (key_states, value_states), strict=True):
+            codes, scales = ops.quantize(states, self.forms[role])
+            self.packed[role].codes.index_copy_(2, written, codes)
+            self.packed[role].scales.index_copy_(2, written, scales)
+            self.ring[role].index_copy_(2, written[new - recent:] % self.window, states[..., new - recent:, :])
+        self.length.add_(new)
+        window = self.length.clamp(max=self.window)
+        self.counts.copy_(((self.length - window) << 32 | window).reshape(1))
+        return tuple(self.attention_ready(role).index_copy(2, written, states)
+                     for role, states in zip(ROLES, (key_states, value_states), strict=True))
+
+    def attention_ready(self, role: str) -> torch.Tensor:
+        """(B, H, max_cache_len, d): the codes dequantized, the window's positions exact from the ring. update
+        also puts its own tokens in exact: a prompt attends to itself exactly (the papers' generation protocol,
+        kvq.protocol's exact_prefill), and decode steps see the window exact and the rest quantized."""
+        packed = self.packed[role]
+        dequantized = ops.dequantize(packed.codes, packed.scales, self.forms[role], self.dtype)
+        exact = self.ring[role].index_select(2, self.positions % self.window)
+        in_window = ((self.positions >= self.length - self.window) & (self.positions < self.length))[:, None]
+        return torch.where(in_window, exact, dequantized)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) from the codes and the ring."""
+        step = DecodeStep(self.packed["k"], self.packed["v"], (self.ring["k"], self.ring["v"]), self.maps.query,
+                          self.maps.output)
+        return ops.decode_attention(query.squeeze(-2), step, scaling, self.counts).unsqueeze(1)
+
+    def prepare(self, query: torch.Tensor) -> None:
+        """One decode attention run eagerly at prefill, so that its kernels are built and its kept buffers made
+        before a compiled step runs (a compiled step's graph pool must own every tensor allocated in it)."""
+        self.attend(query, 1.0)
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.length.zero_()
+            self.counts.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvqError("the static quantized cache cannot crop packed tokens (assisted decoding is not supported)")
+
+    def persistent_bytes(self) -> int:
+        """The packed buffers and the ring: what the layer holds for its tokens."""
+        if not self.is_initialized:
+            return 0
+        tensors = [*self.ring.values(), *(t for p in self.packed.values() for t in (p.codes, p.scales))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class StaticQuantizedCache(StaticCache):
+    """transformers' StaticCache with every full-attention layer a StaticQuantizedLayer."""
+
+    def __init__(self, bank: QuantizerBank, config, max_cache_len: int, window: int = 16):
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        self.layers = [layer if layer.is_sliding else StaticQuantizedLayer(bank, index, max_cache_len, window)
+                       for index, layer in enumerate(self.layers)]
+
+    def memory_bytes(self) -> int:
+        """Bytes this cache holds for its tokens (packed buffers, rings, sliding layers' static buffers)."""
+        return sum(layer.persistent_bytes() if isinstance(layer, StaticQuantizedLayer) else held_bytes(
+            (layer.keys, layer.values)) for layer in self.layers if layer.is_initialized)

@@ -1,0 +1,178 @@
+"""The static quantized cache against kvq's eager protocol path, under torch.compile, with padded batches.
+
+Its semantics are kvq.protocol's Protocol(window, exact_prefill=True): the eager ProtocolWriteCache with window
+attention is the reference it must match.
+"""
+
+import pytest
+import torch
+from conftest import DEVICES, requires_cuda, requires_models
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from kvq import models
+from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
+from kvq.cache import fused_decoding
+from kvq.errors import KvqError
+from kvq.protocol import Protocol
+from kvq.quant import QuantSpec
+from kvq.static_cache import StaticQuantizedCache
+
+WINDOW = 8
+SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, head_dim=32,
+             intermediate_size=64, vocab_size=101)
+
+
+def tiny(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
+    config = Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    return Gemma3ForCausalLM(config).eval()
+
+
+def bank_for(model, bits: int = 4) -> QuantizerBank:
+    return QuantizerBank(QuantSpec("srft", bits, "per_group", 16), kv_geometry(model.config))
+
+
+def greedy(model, cache, prompt, steps: int, mask=None):
+    """Greedy tokens and the logits of every step, one forward per step as generate runs them."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        out = model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            logits.append(out.logits[:, -1].float())
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+            out = model(token, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return torch.cat(tokens, -1), torch.stack(logits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+def test_static_cache_matches_the_eager_protocol_cache(kind, device):
+    """On CUDA the decode steps under fused_decoding run the fused kernels, whose tensor-core products take
+    the query in fp16: their logits agree to 5e-3, the reference's to 2e-4."""
+    model = tiny(kind).to(device)
+    bank = bank_for(model)
+    prompt = torch.randint(0, 101, (1, 13), generator=torch.Generator().manual_seed(1)).to(device)
+    with quantized_kv(model, bank, "cache", Protocol(WINDOW, exact_prefill=True)) as fresh:
+        expected_tokens, expected = greedy(model, fresh()["past_key_values"], prompt, 12)
+    static = StaticQuantizedCache(bank, model.config, max_cache_len=40, window=WINDOW)
+    tokens, logits = greedy(model, static, prompt, 12)
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
+    assert torch.equal(tokens, expected_tokens)
+    with fused_decoding(model, static := StaticQuantizedCache(bank, model.config, max_cache_len=40, window=WINDOW)):
+        fused_tokens, fused_logits = greedy(model, static, prompt, 12)  # decode steps attend from the codes
+    torch.testing.assert_close(fused_logits, expected, atol=2e-4 if device == "cpu" else 5e-3, rtol=0)
+    assert torch.equal(fused_tokens, expected_tokens)
+
+
+def test_a_decode_step_compiles_as_one_graph_over_the_reference_ops():
+    model = tiny("llama")
+    cache = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=32, window=WINDOW)
+    prompt = torch.randint(0, 101, (1, 11), generator=torch.Generator().manual_seed(2))
+    token = torch.tensor([[7]])
+    with fused_decoding(model, cache), torch.no_grad():
+        model(prompt, past_key_values=cache, use_cache=True)
+        step = torch.compile(lambda ids, position: model(ids, past_key_values=cache, cache_position=position,
+                                                         use_cache=True).logits, fullgraph=True, backend="aot_eager")
+        compiled = step(token, torch.tensor([11]))
+    reference = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=32, window=WINDOW)
+    with fused_decoding(model, reference), torch.no_grad():
+        model(prompt, past_key_values=reference, use_cache=True)
+        eager = model(token, past_key_values=reference, cache_position=torch.tensor([11]), use_cache=True).logits
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_left_padded_batches_give_the_tokens_of_batch_one_runs(device):
+    model = tiny("llama").to(device)
+    bank = bank_for(model, bits=8)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 101, (1, n), generator=generator).to(device) for n in (15, 9)]
+    alone = []
+    for prompt in prompts:
+        cache = StaticQuantizedCache(bank, model.config, max_cache_len=48, window=WINDOW)
+        with fused_decoding(model, cache):
+            alone.append(greedy(model, cache, prompt, 10)[0])
+    padded = torch.zeros(2, 15, dtype=torch.long, device=device)
+    mask = torch.zeros(2, 15, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        padded[row, 15 - prompt.shape[1]:], mask[row, 15 - prompt.shape[1]:] = prompt[0], 1
+    cache = StaticQuantizedCache(bank, model.config, max_cache_len=48, window=WINDOW)
+    with fused_decoding(model, cache):
+        batch = greedy(model, cache, padded, 10, mask)[0]
+    assert all(not layer.unpadded for layer in cache.layers)  # padding: the codes are read through SDPA's mask
+    assert torch.equal(batch, torch.cat(alone))
+
+
+def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():
+    model = tiny("llama")
+    cache = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=12, window=4)
+    layer = cache.layers[0]
+    keys, values = (torch.randn(1, 2, 10, 32) for _ in range(2))
+    full_keys, _ = layer.update(keys, values)
+    assert full_keys.shape == (1, 2, 12, 32)
+    torch.testing.assert_close(full_keys[:, :, :10], keys)  # the prompt's own rows come back exact
+    step_keys, _ = layer.update(keys[:, :, :1], values[:, :, :1])  # outside fused_decoding: the whole cache
+    torch.testing.assert_close(step_keys[:, :, 7:11], torch.cat([keys[:, :, 7:10], keys[:, :, :1]], dim=2))
+    assert not torch.equal(step_keys[:, :, :7], keys[:, :, :7])  # older rows are the codes' values
+    with pytest.raises(KvqError, match="holds 12 tokens; writing 2 more after 11"):
+        layer.update(keys[:, :, :2], values[:, :, :2])
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(batch):
+    """generate compiles the decode step of a compileable cache (CUDA graphs over the static buffers); its
+    greedy tokens equal those of the same cache run eagerly, over 64 steps."""
+    model = tiny("llama").to("cuda").half()
+    bank = bank_for(model)
+    generator = torch.Generator().manual_seed(4)
+    prompt = torch.randint(1, 101, (batch, 24), generator=generator).cuda()
+    runs = {}
+    for compiled in (False, True):
+        cache = StaticQuantizedCache(bank, model.config, max_cache_len=24 + 64, window=16)
+        with fused_decoding(model, cache):
+            runs[compiled] = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                                            max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                            disable_compile=not compiled)
+        assert all(layer.unpadded for layer in cache.layers)
+    assert torch.equal(runs[True], runs[False])
+
+
+@requires_models
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.model
+def test_smollm2_compiled_static_tokens_equal_the_eager_ones():
+    """The built-in SmolLM2 (head_dim 64: the Triton kernels), 64 greedy steps: batch 1, and batch 4 with prompts
+    of different lengths (left-padded, so decode steps read the codes through SDPA's mask)."""
+    lm = models.load("smollm2-135m", device="cuda", dtype=torch.float16)
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(lm.model.config))
+    lm.tokenizer.padding_side = "left"
+    lm.tokenizer.pad_token = lm.tokenizer.pad_token or lm.tokenizer.eos_token
+    texts = ["The pass key is 71432. Remember it.", "To be, or not to be, that is the question:",
+             "Once upon a time", "A quick brown fox jumps over the lazy dog, and then it runs far away."]
+    for batch in (texts[:1], texts):
+        inputs = lm.tokenizer(batch, return_tensors="pt", padding=True).to("cuda")
+        runs = {}
+        for compiled in (False, True):
+            cache = StaticQuantizedCache(bank, lm.model.config, max_cache_len=inputs.input_ids.shape[1] + 64)
+            with fused_decoding(lm.model, cache):
+                runs[compiled] = lm.model.generate(**inputs, past_key_values=cache, max_new_tokens=64,
+                                                   min_new_tokens=64, do_sample=False, disable_compile=not compiled)
+        assert torch.equal(runs[True], runs[False]), f"batch {len(batch)}"
