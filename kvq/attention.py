@@ -35,14 +35,22 @@ def score_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def window_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Eager attention mixing exact (near) and quantized (far) positions per (query, key) pair."""
+    """Attention mixing exact (near) and quantized (far) positions per (query, key) pair. Where every query
+    sees the same positions near (one query, a decode step; or all positions near, an exact prefill) the
+    mixed K/V are plain tensors and SDPA serves; otherwise, or where far keys are scored in a sketch space
+    (QJL), the scores are mixed pair by pair."""
     cache = module.kvq_protocol_cache
     layer = module.layer_idx
     far_keys, far_values = cache.far(layer)
-    near = cache.near(layer, query.shape[-2], key.shape[-2]).to(query.device)
+    near = cache.near(layer, query.shape[-2], key.shape[-2])
+    scorer = cache.bank.get(layer, "k")
+    if not uses_score_path(scorer) and (query.shape[-2] == 1 or bool(near.all())):
+        positions = near[-1].to(query.device)[:, None]  # the last query's: every query's here
+        key, value = torch.where(positions, key, far_keys), torch.where(positions, value, far_values)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    near = near.to(query.device)
     groups = query.shape[1] // key.shape[1]
     key, value, far_keys, far_values = (repeat_kv(t, groups) for t in (key, value, far_keys, far_values))
-    scorer = cache.bank.get(layer, "k")
     far_query = scorer.attention_queries(query) if uses_score_path(scorer) else query
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.where(near, query.float() @ key.float().transpose(-1, -2),
