@@ -38,9 +38,9 @@ def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group:
                   generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32):
     """Packed K or V as the fused cache holds them: Gaussian rows through a per-group ScalarQuantizer."""
     from kvq.kernels.decode_attention import PackedKV
-    from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
+    from kvq.ops import SCALE_DTYPE_NAMES
+    from kvq.quant.scalar import ScalarQuantizer
 
-    names = {dtype: name for name, dtype in SCALE_DTYPES.items()}
     rows = torch.randn(batch, heads, tokens, d, generator=generator)
-    packed = ScalarQuantizer(bits, "per_group", group, scale_dtype=names[scale_dtype]).encode(rows)
+    packed = ScalarQuantizer(bits, "per_group", group, scale_dtype=SCALE_DTYPE_NAMES[scale_dtype]).encode(rows)
     return PackedKV(packed.codes.to(device), packed.scale.squeeze(-1).to(device), bits, d)
