@@ -329,17 +329,37 @@ def _fp16_kv_bytes(config, batch: int, tokens: int) -> int:
 
 
 class _StepClock:
-    """A logits processor that notes the time at every generated token once the GPU has caught up: the
-    gaps are single decode steps, so ms/token is a median over steps and not a difference of two whole
-    generate calls (host-bound runs vary by 2x from call to call)."""
+    """A logits processor that marks every generated token on the device's timeline (a CUDA event; the host
+    clock off CUDA): the gaps are single decode steps, so ms/token is a median over steps and not a difference
+    of two whole generate calls. Marking adds no host synchronisation, so a path whose host work overlaps the
+    GPU's (generate's compiled step) is timed as it runs for a user."""
 
     def __init__(self, device: torch.device):
-        self.device, self.times = device, []
+        self.cuda = device.type == "cuda"
+        self.marks = []
+        self.begin()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        self.start = self._mark()
 
     def __call__(self, input_ids, scores):
-        _synchronize(self.device)
-        self.times.append(time.perf_counter())
+        self.marks.append(self._mark())
         return scores
+
+    def seconds(self) -> tuple[float, list[float]]:
+        """(prompt to first token, every step after it), once the device has caught up."""
+        if not self.cuda:
+            return self.marks[0] - self.start, [b - a for a, b in itertools.pairwise(self.marks)]
+        self.marks[-1].synchronize()
+        return (self.start.elapsed_time(self.marks[0]) / 1e3,
+                [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)])
 
 
 @dataclass
@@ -350,8 +370,9 @@ class _Run:
     peak_bytes: int | None
 
 
-def generate_run(model, kwargs: dict, prompt: torch.Tensor, tokens: int) -> _Run:
-    """One greedy generate of `tokens` tokens with generate's keyword arguments `kwargs` (the cache)."""
+def generate_run(model, kwargs: dict, prompt: torch.Tensor, tokens: int, prefill_chunk: int | None = None) -> _Run:
+    """One greedy generate of `tokens` tokens with generate's keyword arguments `kwargs` (the cache), the prompt
+    prefilled in chunks of `prefill_chunk` tokens if given."""
     from transformers import LogitsProcessorList
 
     from kvq.cache import QuantizedKVCache, fused_decoding
@@ -360,19 +381,19 @@ def generate_run(model, kwargs: dict, prompt: torch.Tensor, tokens: int) -> _Run
     cache = kwargs.get("past_key_values")
     kvq_cache = isinstance(cache, (QuantizedKVCache, StaticQuantizedCache))
     routing = fused_decoding(model, cache) if kvq_cache else nullcontext()
-    clock = _StepClock(prompt.device)
     cuda = prompt.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(prompt.device)
     with torch.no_grad(), routing:
         _synchronize(prompt.device)
-        began = time.perf_counter()
+        clock = _StepClock(prompt.device)
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                        min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
-                       **kwargs)
+                       prefill_chunk_size=prefill_chunk, **kwargs)
+    prefill_s, steps_s = clock.seconds()
     held = _held_bytes(cache if cache is not None else getattr(model, "_cache", None))
     peak = torch.cuda.max_memory_allocated(prompt.device) if cuda else None
-    return _Run(clock.times[0] - began, [b - a for a, b in itertools.pairwise(clock.times)], held, peak)
+    return _Run(prefill_s, steps_s, held, peak)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -387,7 +408,7 @@ def _release(device: torch.device) -> None:
 
 
 def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, new_tokens: int,
-                 repeats: int) -> list[dict]:
+                 repeats: int, prefill_chunk: int | None) -> list[dict]:
     """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
     one untimed generate of the same length (allocator and kernel warm-up, and a compiled row's
     compilation); then the caches take turns run by run, with Python's garbage collector held off, so
@@ -399,7 +420,7 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
     skipped, ready = [], []
     for cache in caches:
         try:
-            generate_run(model, cache.setup(model, batch, max_tokens), prompt, new_tokens)
+            generate_run(model, cache.setup(model, batch, max_tokens), prompt, new_tokens, prefill_chunk)
             ready.append(cache)
         except CacheUnavailable as exc:
             skipped.append({**where, "cache": cache.label, "skipped": str(exc)})
@@ -413,7 +434,7 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
         for _ in range(repeats):
             for cache in ready:
                 runs[cache.label].append(generate_run(model, cache.setup(model, batch, max_tokens), prompt,
-                                                       new_tokens))
+                                                       new_tokens, prefill_chunk))
     finally:
         if collecting:
             gc.enable()
@@ -475,9 +496,11 @@ def decode_model(device: str, config) -> torch.nn.Module:
 
 
 def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, config=None, repeats: int = 9,
-                 batches=(1,), caches: tuple[DecodeCache, ...] = DECODE_CACHES) -> dict:
+                 batches=(1,), caches: tuple[DecodeCache, ...] = DECODE_CACHES,
+                 prefill_chunk: int | None = None) -> dict:
     """HF generate ms/token per cache at each prompt length and batch (see _decode_rows), on a random-weight
-    fp16 Llama of `config` (Llama-3-8B's by default)."""
+    fp16 Llama of `config` (Llama-3-8B's by default); every cache prefills in chunks of `prefill_chunk` tokens
+    (generate's prefill_chunk_size) if given."""
     model = decode_model(device, config or llama3_8b_like())
     config = model.config
     bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
@@ -485,9 +508,10 @@ def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, confi
     for batch in batches:
         for length in prompts:
             prompt = torch.randint(0, config.vocab_size, (batch, length), device=device)
-            rows += _decode_rows(model, caches, prompt, new_tokens, repeats)
+            rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk)
             _release(prompt.device)
     return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
+            "prefill_chunk": prefill_chunk,
             "copy_bandwidth_Bps": bandwidth, "rows": _with_floors(rows, _weight_read_bytes(model), bandwidth)}
 
 

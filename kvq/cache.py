@@ -321,12 +321,16 @@ def fused_decoding(model: torch.nn.Module, cache) -> Iterator[None]:
     modules = [m for m in attention_modules(model) if m.layer_idx in fused]
     for module in modules:
         module.kvq_fused_layer = fused[module.layer_idx]
-        module.kvq_fused_layer.rerouted = True
+    for layer in fused.values():
+        if isinstance(layer, FusedLayer):  # a static layer's update returns the whole cache whether rerouted or not
+            layer.rerouted = True
     restore = switch_attention(model, FUSED_ATTENTION)
     try:
         yield
     finally:
         restore()
         for module in modules:
-            module.kvq_fused_layer.rerouted = False
             del module.kvq_fused_layer
+        for layer in fused.values():
+            if isinstance(layer, FusedLayer):
+                layer.rerouted = False

@@ -394,6 +394,8 @@ def bench_decode(
                                         "kvq-int4-static-compiled, quanto-int4, hqq-int4 (default: all)"),
     new_tokens: int = typer.Option(32),
     repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
+    prefill_chunk: int = typer.Option(0, help="prefill every prompt in chunks of this many tokens "
+                                             "(generate's prefill_chunk_size; 0: one pass)"),
     out: Path = typer.Option(Path("runs/bench")),
     results: Path = typer.Option(Path("RESULTS.md")),
     device: str = device_option(),
@@ -406,11 +408,14 @@ def bench_decode(
         raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
     if repeats < 1:
         raise KvqError(f"--repeats must be at least 1, got {repeats}")
+    if prefill_chunk < 0:
+        raise KvqError(f"--prefill-chunk must be 0 (one pass) or a positive number of tokens, got {prefill_chunk}")
     chosen = bench.decode_caches(tuple(caches.split(",")) if caches else None)
     lengths, sizes = (tuple(int(x) for x in _floats(text)) for text in (prompts, batches))
     if min(lengths) < 1 or min(sizes) < 1:
         raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
-    result = bench.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen)
+    result = bench.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
+                                prefill_chunk=prefill_chunk or None)
     _record_bench("decode", result, bench.decode_table(result), device, out, results)
 
 

@@ -121,9 +121,18 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
                       window_keys: torch.Tensor, window_values: torch.Tensor, output_map: torch.Tensor, scale: float,
                       bits: int, counts: torch.Tensor | None) -> torch.Tensor:
     """counts: None to attend over every row given, or a one-element int64 tensor holding
-    device_lengths(packed rows, window rows): the leading rows of the buffers that count."""
-    step = _step(query, query_map, (key_codes, key_scales), (value_codes, value_scales),
-                 (window_keys, window_values), output_map, bits)
+    device_lengths(packed rows, window rows): the leading rows of the buffers that count. CUDA runs the kernels
+    where the layout has them; everything else the reference."""
+    d = query.shape[-1]
+    step = DecodeStep(PackedKV(key_codes, key_scales, bits, d), PackedKV(value_codes, value_scales, bits, d),
+                      (window_keys, window_values), query_map, output_map)
+    if query.is_cuda:
+        reason = attention.unsupported_reason(query, step)
+        if reason is None and counts is None:
+            return attention.decode_attention(query, step, scale)
+        if reason is None:
+            return attention.decode_attention_gpu(query, step, scale, launch_for(query.device), lengths=counts)
+        note_fallback("kvq::decode_attention", attention.step_description(query, step), reason)
     return attention.decode_attention_reference(query, _counted(step, counts), scale)
 
 
@@ -131,20 +140,6 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
 def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
       scale, bits, counts):
     return torch.empty_like(query)
-
-
-@_decode_attention.register_kernel("cuda")
-def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
-      scale, bits, counts):
-    step = _step(query, query_map, (key_codes, key_scales), (value_codes, value_scales),
-                 (window_keys, window_values), output_map, bits)
-    reason = attention.unsupported_reason(query, step)
-    if reason is not None:
-        note_fallback("kvq::decode_attention", attention.step_description(query, step), reason)
-        return attention.decode_attention_reference(query, _counted(step, counts), scale)
-    if counts is None:
-        return attention.decode_attention(query, step, scale)
-    return attention.decode_attention_gpu(query, step, scale, launch_for(query.device), lengths=counts)
 
 
 def _counted(step: DecodeStep, counts: torch.Tensor | None) -> DecodeStep:
@@ -155,11 +150,6 @@ def _counted(step: DecodeStep, counts: torch.Tensor | None) -> DecodeStep:
     n_packed, n_window = packed_and_window >> 32, packed_and_window & 0xFFFFFFFF
     return DecodeStep(step.keys.rows(n_packed), step.values.rows(n_packed),
                       tuple(w[..., :n_window, :] for w in step.window), step.query_map, step.output_map)
-
-
-def _step(query, query_map, keys: tuple, values: tuple, window: tuple, output_map, bits: int) -> DecodeStep:
-    d = query.shape[-1]
-    return DecodeStep(PackedKV(*keys, bits, d), PackedKV(*values, bits, d), window, query_map, output_map)
 
 
 def quantize(rows: torch.Tensor, form: PackedForm) -> tuple[torch.Tensor, torch.Tensor]:

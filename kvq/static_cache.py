@@ -47,7 +47,6 @@ class StaticQuantizedLayer(CacheLayerMixin):
         # Set by the attention function at prefill: whether every query row sees every written position (no
         # padding), the condition for attending from the codes, whose kernels take no mask
         self.unpadded = False
-        self.rerouted = False  # set by fused_decoding; update returns attention-ready K/V either way
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -98,13 +97,14 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def attention_ready(self, role: str) -> torch.Tensor:
         """(B, H, max_cache_len, d): the codes dequantized, the window's positions exact from the ring. update
-        also puts its own tokens in exact: a prompt attends to itself exactly (the papers' generation protocol,
-        kvq.protocol's exact_prefill), and decode steps see the window exact and the rest quantized."""
+        also puts its own tokens in exact: a prompt (or a prefill chunk) attends to itself exactly (kvq.protocol's
+        exact_prefill), and decode steps see the window exact and the rest quantized."""
         packed = self.packed[role]
         dequantized = ops.dequantize(packed.codes, packed.scales, self.forms[role], self.dtype)
-        exact = self.ring[role].index_select(2, self.positions % self.window)
-        in_window = ((self.positions >= self.length - self.window) & (self.positions < self.length))[:, None]
-        return torch.where(in_window, exact, dequantized)
+        # The window's positions n - window .. n - 1; while fewer than `window` tokens are written the leading
+        # ones wrap to the buffer's unwritten tail, which the causal mask hides.
+        in_window = (self.length - self.window + self.positions[:self.window]) % self.max_cache_len
+        return dequantized.index_copy(2, in_window, self.ring[role].index_select(2, in_window % self.window))
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) from the codes and the ring."""

@@ -135,10 +135,11 @@ def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 4])
-def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(batch):
-    """generate compiles the decode step of a compileable cache (CUDA graphs over the static buffers); its
-    greedy tokens equal those of the same cache run eagerly, over 64 steps."""
+@pytest.mark.parametrize(("batch", "chunk"), [(1, None), (4, None), (1, 8)])
+def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(batch, chunk):
+    """generate compiles the decode step of a compileable cache (CUDA graphs over the static buffers), and with
+    prefill_chunk_size each prefill chunk too; its greedy tokens equal those of the same cache run eagerly, over
+    64 steps."""
     model = tiny("llama").to("cuda").half()
     bank = bank_for(model)
     generator = torch.Generator().manual_seed(4)
@@ -149,7 +150,7 @@ def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(batch):
         with fused_decoding(model, cache):
             runs[compiled] = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
                                             max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                                            disable_compile=not compiled)
+                                            prefill_chunk_size=chunk, disable_compile=not compiled)
         assert all(layer.unpadded for layer in cache.layers)
     assert torch.equal(runs[True], runs[False])
 
@@ -176,3 +177,36 @@ def test_smollm2_compiled_static_tokens_equal_the_eager_ones():
                 runs[compiled] = lm.model.generate(**inputs, past_key_values=cache, max_new_tokens=64,
                                                    min_new_tokens=64, do_sample=False, disable_compile=not compiled)
         assert torch.equal(runs[True], runs[False]), f"batch {len(batch)}"
+
+
+def chunked_generate(model, cache, prompt, chunk: int | None, steps: int):
+    with fused_decoding(model, cache), torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                              max_new_tokens=steps, min_new_tokens=steps, do_sample=False, prefill_chunk_size=chunk,
+                              disable_compile=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_chunked_prefill_writes_each_token_as_it_comes_and_attends_to_its_own_chunk_exactly(device):
+    """generate's prefill_chunk_size drives the static cache chunk by chunk: every token is quantized on its own
+    as written (layer 0, whose inputs chunking cannot change, stores the same codes as a one-pass prefill); a
+    chunk attends to itself and the window exactly and to earlier chunks through their codes, so with a window
+    as long as the cache nothing is read quantized and the tokens are the fp model's."""
+    model = tiny("llama").to(device)
+    bank = bank_for(model)
+    prompt = torch.randint(1, 101, (1, 29), generator=torch.Generator().manual_seed(5)).to(device)
+    caches = {chunk: StaticQuantizedCache(bank, model.config, max_cache_len=40, window=WINDOW) for chunk in (None, 8)}
+    tokens = {chunk: chunked_generate(model, cache, prompt, chunk, 6) for chunk, cache in caches.items()}
+    first_layers = caches[None].layers[0], caches[8].layers[0]
+    for role in ("k", "v"):  # the prompt's rows (generated tokens may differ)
+        one_pass, chunked = (layer.packed[role] for layer in first_layers)
+        assert torch.equal(one_pass.codes[:, :, :29], chunked.codes[:, :, :29])
+        torch.testing.assert_close(one_pass.scales[:, :, :29], chunked.scales[:, :, :29], atol=0, rtol=1e-6)
+    later = (caches[None].layers[1].packed["k"].scales - caches[8].layers[1].packed["k"].scales)[:, :, :29]
+    assert later.abs().max() > 1e-3  # layer 1's keys come from attention that read earlier chunks' codes
+    with torch.no_grad():
+        fp = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, min_new_tokens=6,
+                            do_sample=False)
+    exact = StaticQuantizedCache(bank, model.config, max_cache_len=40, window=40)
+    assert torch.equal(chunked_generate(model, exact, prompt, 8, 6), fp)
+    assert tokens[8].shape == tokens[None].shape == fp.shape
