@@ -251,7 +251,8 @@ def _kvq_int4_static(model, batch: int, max_tokens: int) -> dict:
     if model.device.type != "cuda":
         raise CacheUnavailable("generate compiles a static cache's decode step on CUDA only")
     bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(model.config))
-    return {"past_key_values": StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens)}
+    cache = StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens).allocate(model, batch)
+    return {"past_key_values": cache}
 
 
 def _transformers_quantized(backend: str) -> Callable[..., dict]:

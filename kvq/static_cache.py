@@ -17,7 +17,7 @@ from transformers import StaticCache
 from transformers.cache_utils import CacheLayerMixin
 
 from kvq import ops
-from kvq.apply import QuantizerBank
+from kvq.apply import QuantizerBank, kv_geometry
 from kvq.cache import DomainMaps, held_bytes
 from kvq.errors import KvqError
 from kvq.kernels.decode_attention import DecodeStep, PackedKV
@@ -77,6 +77,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
+            if torch.compiler.is_compiling():  # its buffers would belong to one CUDA graph's output pool
+                raise KvqError("a static quantized cache first written inside a compiled call (a compiled chunked "
+                               "prefill) must be allocated before it: call cache.allocate(model, batch_size)")
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
         if not torch.compiler.is_compiling() and int(self.length) + new > self.max_cache_len:
@@ -152,6 +155,13 @@ class StaticQuantizedCache(StaticCache):
         super().__init__(config=config, max_cache_len=max_cache_len)
         self.layers = [layer if layer.is_sliding else StaticQuantizedLayer(bank, index, max_cache_len, window)
                        for index, layer in enumerate(self.layers)]
+
+    def allocate(self, model: torch.nn.Module, batch_size: int) -> "StaticQuantizedCache":
+        """Allocates every layer's buffers now, for `model`'s K/V geometry, dtype and device, instead of at the
+        first write: needed where that write is compiled (generate compiles a chunked prefill on CUDA)."""
+        geometry = kv_geometry(model.config)
+        self.early_initialization(batch_size, geometry.n_kv_heads, geometry.head_dim, model.dtype, model.device)
+        return self
 
     def memory_bytes(self) -> int:
         """Bytes this cache holds for its tokens (packed buffers, rings, sliding layers' static buffers)."""

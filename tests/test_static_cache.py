@@ -146,7 +146,7 @@ def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(batch, ch
     prompt = torch.randint(1, 101, (batch, 24), generator=generator).cuda()
     runs = {}
     for compiled in (False, True):
-        cache = StaticQuantizedCache(bank, model.config, max_cache_len=24 + 64, window=16)
+        cache = StaticQuantizedCache(bank, model.config, max_cache_len=24 + 64, window=16).allocate(model, batch)
         with fused_decoding(model, cache):
             runs[compiled] = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
                                             max_new_tokens=64, min_new_tokens=64, do_sample=False,
