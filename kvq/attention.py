@@ -70,10 +70,7 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, **k
     layer = getattr(module, "kvq_fused_layer", None)
     if layer is not None and layer.is_compileable:  # kvq.static_cache.StaticQuantizedLayer
         if query.shape[-2] > 1:
-            # the kernels take no mask: decode steps attend from the codes only if no row is padded
-            layer.unpadded = attention_mask is None or bool(attention_mask[:, :, -1, :int(layer.length)].all())
-            if layer.unpadded and query.is_cuda:
-                layer.prepare(query[..., -1:, :])
+            layer.begin_decoding(query, attention_mask)
         elif layer.unpadded:
             return layer.attend(query, scaling if scaling is not None else query.shape[-1] ** -0.5), None
     elif layer is not None and layer.deferred:

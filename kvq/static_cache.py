@@ -115,10 +115,15 @@ class StaticQuantizedLayer(CacheLayerMixin):
                           self.maps.output)
         return ops.decode_attention(query.squeeze(-2), step, scaling, self.counts).unsqueeze(1)
 
-    def prepare(self, query: torch.Tensor) -> None:
-        """One decode attention run eagerly at prefill, so that its kernels are built and its kept buffers made
-        before a compiled step runs (a compiled step's graph pool must own every tensor allocated in it)."""
-        self.attend(query, 1.0)
+    @torch.compiler.disable  # runs between graphs, so nothing it keeps lands in a CUDA graph's memory pool
+    def begin_decoding(self, query: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """At a prefill call (or chunk): whether every query row sees every written position (no padding), the
+        condition for later decode steps to attend from the codes, whose kernels take no mask; if so, one decode
+        attention runs now, so that its kernels are built and its kept buffers made before a compiled step runs
+        (a compiled step's graph pool must own every tensor allocated in it)."""
+        self.unpadded = attention_mask is None or bool(attention_mask[:, :, -1, :int(self.length)].all())
+        if self.unpadded and query.is_cuda:
+            self.attend(query[..., -1:, :], 1.0)
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
         return self.max_cache_len, 0
