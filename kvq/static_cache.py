@@ -59,6 +59,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 layout.bits, layout.head_dim)
             self.ring[role] = key_states.new_zeros(*lead, self.window, layout.head_dim)
         self.forms = {role: form.on(self.device) for role, form in self.forms.items()}
+        for form in self.forms.values():  # builds the kernels and the constants they keep, outside any graph
+            ops.dequantize(*ops.quantize(key_states.new_zeros(1, form.layout.head_dim), form), form, self.dtype)
         self.maps = DomainMaps(self.forms["k"], self.forms["v"], self.device)
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens written
         # (packed << 32 | window) rows the kernels attend over: kvq.kernels.decode_attention.device_lengths
