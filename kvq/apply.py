@@ -15,8 +15,10 @@ from transformers import DynamicCache
 
 from kvq.attention import SCORE_ATTENTION, WINDOW_ATTENTION, switch_attention, uses_score_path
 from kvq.errors import KvqError
+from kvq.policy import SitePolicy
 from kvq.protocol import Protocol
 from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
+from kvq.quant.exact import Exact
 
 MODES = ("hook", "cache")
 
@@ -48,27 +50,42 @@ def kv_geometry(model_config) -> KVGeometry:
 
 
 class QuantizerBank:
-    """One quantizer per (layer, K|V) site, built on first use, with learned pieces from a calibration."""
+    """One quantizer per (layer, K|V) site, built on first use, with learned pieces from a calibration; a
+    SitePolicy (kvq.policy) gives sites their own settings or keeps them exact."""
 
     def __init__(self, spec: QuantSpec, geometry: KVGeometry,
-                 learned: dict[tuple[int, str], Learned] | None = None):
+                 learned: dict[tuple[int, str], Learned] | None = None, policy: SitePolicy = SitePolicy()):
         self.spec = spec
         self.geometry = geometry
         self.learned = learned or {}
+        self.policy = policy
         self._built: dict[tuple[int, str], Quantizer] = {}
-        # Bad bits or group sizes should fail here, before any model work.
+        # Bad bits, group sizes or policies should fail here, before any model work.
+        if not policy.is_default:
+            if learned:
+                raise KvqError("a calibration artifact is made for one quantizer at every site; it cannot be "
+                               "combined with a per-site policy")
+            policy.check(geometry.n_layers)
+            for layer in range(geometry.n_layers):
+                for role in ("k", "v"):
+                    try:
+                        self.get(layer, role)
+                    except KvqError as exc:
+                        raise KvqError(f"policy: the {role.upper()} quantizer of layer {layer}: {exc}") from None
         self.bits_per_element(1)
 
     def get(self, layer: int, role: str) -> Quantizer:
         key = (layer, role)
         if key not in self._built:
+            spec = self.policy.spec_for(self.spec, layer, role, self.geometry.n_layers)
             site = Site(layer, role, self.geometry.head_dim, self.learned.get(key))
-            self._built[key] = build_quantizer(self.spec, site)
+            self._built[key] = Exact() if spec is None else build_quantizer(spec, site)
         return self._built[key]
 
     def bits_per_element(self, n_tokens: int) -> float:
         """The quantizers' stated cost for one encode call of n_tokens tokens, averaged over the sites
-        built so far (every site that ran, after a run; sites may differ, e.g. QJL keys vs values)."""
+        built so far (every site that ran, after a run; every site of a policy; sites may differ, e.g. QJL
+        keys vs values)."""
         self.get(0, "k")
         sizes = [q.bits_per_element(self.geometry.head_dim, n_tokens) for q in self._built.values()]
         return sum(sizes) / len(sizes)

@@ -41,6 +41,15 @@ def exact_prefill_option():
     return typer.Option(False, help="cache mode: the first call (the prompt) attends over exact K/V")
 
 
+def _inline_yaml(text: str, flag: str):
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise KvqError(f"{flag}: not YAML: {str(exc).splitlines()[0]}") from None
+
+
 def parse_options(pairs: list[str]) -> dict:
     options = {}
     for pair in pairs:
@@ -63,6 +72,9 @@ def ppl(
     seed: int = typer.Option(0),
     option: list[str] = typer.Option([], help="method-specific key=value, repeatable"),
     calibration: Path | None = typer.Option(None, help="artifact from `kvq calibrate`"),
+    policy: str = typer.Option("", help="per-site policy as YAML, e.g. '{k: {bits: 8}, layers: [{first: 2, "
+                                        "use: fp}]}' (kvq.policy); the options above are its base"),
+    kld: bool = typer.Option(False, help="also KL(fp || quantized) and top-1 agreement with fp"),
     mode: str = typer.Option("hook", help="hook (k_proj/v_proj outputs) or cache (post-RoPE at cache write)"),
     window: int = window_option(),
     exact_prefill: bool = exact_prefill_option(),
@@ -73,10 +85,11 @@ def ppl(
     device: str = device_option(),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
 ):
-    """Perplexity of one model under one quantizer, against its fp baseline."""
+    """Perplexity of one model under one quantizer (or per-site policy), against its fp baseline."""
     from kvq import models
     from kvq.apply import check_mode, check_protocol
     from kvq.experiment import DataSpec, eval_windows, make_bank, measure
+    from kvq.policy import parse_policy
     from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant import QuantSpec
@@ -84,26 +97,34 @@ def ppl(
 
     spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option),
                      str(calibration) if calibration else None)
+    site_policy = parse_policy(_inline_yaml(policy, "--policy")) if policy else parse_policy(None)
     data = DataSpec(corpus, seq_len, n_windows, batch_size)
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
-    bank = make_bank(model, models.load_config(model), spec)
+    bank = make_bank(model, models.load_config(model), spec, site_policy)
     lm = models.load(model, device=device)
     windows = eval_windows(lm, data)
-    base = measure(lm, windows, None, mode, data, progress_bar("fp baseline"))
-    quantized = measure(lm, windows, bank, mode, data, progress_bar(spec.label()), protocol)
+    reference = [] if kld else None
+    base = measure(lm, windows, None, mode, data, progress_bar("fp baseline"), keep_log_probs=reference)
+    quantized = measure(lm, windows, bank, mode, data, progress_bar(spec.label()), protocol, reference)
     quantized_bits = bank.measured_bits_per_element()
     bits_per_element = protocol.stored_bits_per_element(quantized_bits, seq_len)
     shown_protocol = f"  protocol {protocol.label()}" if not protocol.is_default else ""
-    typer.echo(f"model {model}  mode {mode}  quantizer {spec.label()}  windows {n_windows}x{seq_len}{shown_protocol}")
+    shown_policy = f"  policy {site_policy.label()}" if not site_policy.is_default else ""
+    typer.echo(f"model {model}  mode {mode}  quantizer {spec.label()}{shown_policy}  windows {n_windows}x{seq_len}"
+               f"{shown_protocol}")
     typer.echo(f"fp PPL         {base.ppl:.4f}")
     typer.echo(f"quantized PPL  {quantized.ppl:.4f}")
     typer.echo(f"dPPL           {quantized.ppl - base.ppl:+.4f}")
+    if quantized.divergence:
+        divergence = quantized.divergence
+        typer.echo(f"KL(fp||q)      {divergence.kld:.5f} nats/token (worst window {divergence.max_window_kld:.5f})")
+        typer.echo(f"top-1 agree    {divergence.top1_agreement:.4f}")
     encoded = f" (the window's tokens in fp16, the rest at {quantized_bits:.4f} as encoded)"
     typer.echo(f"bits/element   {bits_per_element:.4f}" + (encoded if shown_protocol else ""))
     if json_out:
         record = {
-            "model": model, "mode": mode, "quant": spec.to_dict(), "data": data.to_dict(),
-            "protocol": protocol.to_dict(), "bits_per_element": bits_per_element,
+            "model": model, "mode": mode, "quant": spec.to_dict(), "policy": site_policy.to_dict(),
+            "data": data.to_dict(), "protocol": protocol.to_dict(), "bits_per_element": bits_per_element,
             "quantized_bits_per_element": quantized_bits, "fp": base.to_dict(), "quantized": quantized.to_dict(),
             "dppl": quantized.ppl - base.ppl, **provenance(device),
         }
@@ -123,7 +144,7 @@ def sweep(
 ):
     """Run every cell of a YAML sweep (resumable), then plot and append a finding to RESULTS.md."""
     from kvq.ledger import append_finding
-    from kvq.plot import plot_dppl_vs_bits
+    from kvq.plot import plot_metric_vs_bits
     from kvq.report import sweep_finding
     from kvq.results import load_files
     from kvq.sweep import run_sweep, sweep_dir, sweep_status
@@ -145,7 +166,8 @@ def sweep(
     if outcome.removed_temporaries:
         typer.echo(f"removed {len(outcome.removed_temporaries)} staging files left by killed writers")
     frame = load_files(outcome.paths)
-    figures = plot_dppl_vs_bits(frame, outcome.directory / "figures")
+    metrics = ["dppl", "kld"] if "kld" in spec.metrics else ["dppl"]
+    figures = [path for metric in metrics for path in plot_metric_vs_bits(frame, outcome.directory / "figures", metric)]
     finding = sweep_finding(spec, frame, outcome.directory, figures, "kvq " + " ".join(sys.argv[1:]))
     appended = append_finding(results, finding.title, finding.body, finding.key)
     if not appended.new:
@@ -190,7 +212,7 @@ def compare(
 
 def _print_status(states, directory: Path) -> None:
     for s in states:
-        what = f"{s.cell.model}  seed={s.cell.quant.seed}  {s.cell.quant.label()}" if s.cell else "-"
+        what = f"{s.cell.model}  seed={s.cell.quant.seed}  {s.cell.label()}" if s.cell else "-"
         typer.echo(f"{s.cell_id}  {s.state:7s}  {what}" + (f"  ({s.detail})" if s.state == "stale" else ""))
     counts = Counter(s.state for s in states if s.cell is not None)
     others = sum(s.cell is None for s in states)
@@ -239,15 +261,20 @@ def calibrate(
 def plot(
     path: Path = typer.Argument(..., help="a sweep folder under runs/"),
     out: Path | None = typer.Option(None, help="figure folder (default <path>/figures)"),
+    y: str = typer.Option("dppl", help="the y axis: dppl, or kld (KL to fp, for cells measured with metrics: kld)"),
 ):
-    """dPPL vs bits/element figures (PNG + PDF) from sweep results."""
-    from kvq.plot import plot_dppl_vs_bits
+    """Metric vs bits/element figures (PNG + PDF) from sweep results, the Pareto frontier marked."""
+    from kvq.plot import METRIC_AXES, plot_metric_vs_bits
     from kvq.results import load
 
+    if y not in METRIC_AXES:
+        raise KvqError(f"--y must be one of {', '.join(METRIC_AXES)}, got {y!r}")
     frame = load(path)
     if frame.empty:
         raise KvqError(f"no finished cells under {path}")
-    for figure in plot_dppl_vs_bits(frame, out or Path(path) / "figures"):
+    if y == "kld" and frame.kld.isna().all():
+        raise KvqError(f"no cell under {path} was measured with metrics: kld")
+    for figure in plot_metric_vs_bits(frame, out or Path(path) / "figures", y):
         typer.echo(f"wrote {figure}")
 
 

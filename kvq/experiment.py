@@ -6,6 +6,7 @@ from kvq import models
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.calibrate import load_learned
 from kvq.data import token_windows
+from kvq.policy import SitePolicy
 from kvq.ppl import PplResult, Progress, perplexity
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
@@ -22,11 +23,11 @@ class DataSpec:
         return asdict(self)
 
 
-def make_bank(model_name: str, config, spec: QuantSpec) -> QuantizerBank:
-    """Builds (and so validates) the quantizer settings against the model's head_dim."""
+def make_bank(model_name: str, config, spec: QuantSpec, policy: SitePolicy = SitePolicy()) -> QuantizerBank:
+    """Builds (and so validates) the quantizer settings and the site policy against the model's geometry."""
     geometry = kv_geometry(config)
     learned = load_learned(spec.calibration, model_name, geometry, spec) if spec.calibration else None
-    return QuantizerBank(spec, geometry, learned)
+    return QuantizerBank(spec, geometry, learned, policy)
 
 
 def eval_windows(lm: models.LoadedModel, data: DataSpec):
@@ -34,5 +35,8 @@ def eval_windows(lm: models.LoadedModel, data: DataSpec):
 
 
 def measure(lm: models.LoadedModel, windows, bank: QuantizerBank | None, mode: str, data: DataSpec,
-            progress: Progress | None = None, protocol: Protocol = Protocol()) -> PplResult:
-    return perplexity(lm.model, windows, bank, mode, data.batch_size, progress, protocol)
+            progress: Progress | None = None, protocol: Protocol = Protocol(),
+            reference: list | None = None, keep_log_probs: list | None = None) -> PplResult:
+    """kvq.ppl.perplexity on the data's batches: with `keep_log_probs` a list, the run's next-token
+    log-probabilities are appended to it (an fp run's are the `reference` of KL metrics)."""
+    return perplexity(lm.model, windows, bank, mode, data.batch_size, progress, protocol, reference, keep_log_probs)

@@ -1,4 +1,5 @@
-"""Figures from sweep results: dPPL vs bits/element per quantizer, one panel per model."""
+"""Figures from sweep results: dPPL (or KL to fp) vs bits/element per quantizer, one panel per model, with the
+Pareto frontier marked."""
 
 from pathlib import Path
 
@@ -14,20 +15,26 @@ LOG_FLOOR = 1e-3
 MARKERS = "osD^vP*X"  # dPPL <= 0 (lossless within noise) is drawn at this floor on the log axis
 
 
-def pareto_front(points: pd.DataFrame) -> pd.DataFrame:
-    """Points no other point beats on both bits/element and dPPL (lower is better on both)."""
-    ordered = points.sort_values(["bits_per_element", "dppl_mean"])
+METRIC_AXES = {"dppl": "dPPL vs fp (log)", "kld": "KL(fp || quantized), nats/token (log)"}
+
+
+def pareto_front(points: pd.DataFrame, metric: str = "dppl") -> pd.DataFrame:
+    """Points no other point beats on both bits/element and the metric (lower is better on both)."""
+    ordered = points.sort_values(["bits_per_element", f"{metric}_mean"])
     front, best = [], float("inf")
     for _, row in ordered.iterrows():
-        if row.dppl_mean < best:
+        if row[f"{metric}_mean"] < best:
             front.append(row)
-            best = row.dppl_mean
+            best = row[f"{metric}_mean"]
     return pd.DataFrame(front)
 
 
-def plot_dppl_vs_bits(frame: pd.DataFrame, out_dir: Path, stem: str = "dppl_vs_bits") -> list[Path]:
+def plot_metric_vs_bits(frame: pd.DataFrame, out_dir: Path, metric: str = "dppl") -> list[Path]:
+    """One figure, `<metric>_vs_bits.png/.pdf` in out_dir: `metric` is dppl or kld (cells without it are left out)."""
     summary = summarize(frame)
-    summary["y"] = summary.dppl_mean.clip(lower=LOG_FLOOR)
+    summary = summary[summary[f"{metric}_mean"].notna()].copy()
+    summary["y"] = summary[f"{metric}_mean"].clip(lower=LOG_FLOOR)
+    stem = f"{metric}_vs_bits"
     model_names = list(dict.fromkeys(summary.model))
     fig, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4.5), squeeze=False)
     for ax, model in zip(axes[0], model_names, strict=True):
@@ -40,14 +47,14 @@ def plot_dppl_vs_bits(frame: pd.DataFrame, out_dir: Path, stem: str = "dppl_vs_b
         for series, points in panel.groupby("series", sort=False):
             points = points.sort_values("bits_per_element")
             first = points.iloc[0]
-            ax.errorbar(points.bits_per_element, points.y, yerr=points.dppl_std, capsize=3, label=series,
+            ax.errorbar(points.bits_per_element, points.y, yerr=points[f"{metric}_std"], capsize=3, label=series,
                         color=colours[first[colour_key]], marker=markers[first.quantizer], ms=7, alpha=0.85)
-        front = pareto_front(panel)
-        ax.plot(front.bits_per_element, front.dppl_mean.clip(lower=LOG_FLOOR), "k--", lw=1, marker="s",
+        front = pareto_front(panel, metric)
+        ax.plot(front.bits_per_element, front[f"{metric}_mean"].clip(lower=LOG_FLOOR), "k--", lw=1, marker="s",
                 mfc="none", ms=13, alpha=0.6, label="Pareto frontier")
         ax.set_yscale("log")
         ax.set_xlabel("bits / element (scales included)")
-        ax.set_ylabel("dPPL vs fp (log)")
+        ax.set_ylabel(METRIC_AXES[metric])
         ax.set_title(f"{model} ({panel['mode'].iloc[0]} mode)")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)

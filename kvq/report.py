@@ -36,6 +36,11 @@ def _table(frame: pd.DataFrame) -> str:
         header.insert(3, "encoded bits/elem")
         for row, bits in zip(rows, summary.quantized_bits_per_element, strict=True):
             row.insert(3, f"{bits:.4f}")
+    if summary.kld_mean.notna().any():
+        header += ["KL(fp||q) mean ± std", "worst-window KL", "top-1 agreement"]
+        for row, r in zip(rows, summary.itertuples(), strict=True):
+            row += ["-", "-", "-"] if pd.isna(r.kld_mean) else [
+                f"{r.kld_mean:.4f} ± {r.kld_std:.4f}", f"{r.max_window_kld:.4f}", f"{r.top1_mean:.4f}"]
     for column in [c for c in summary.columns if c.endswith(ACC_SUFFIX)]:
         header.append(column)
         for row, value in zip(rows, summary[column], strict=True):
@@ -76,7 +81,8 @@ def sweep_finding(spec: SweepSpec, frame: pd.DataFrame, directory: Path, figures
         "Figure: " + ", ".join(f"`{p}`" for p in figures),
     ])
     key = record_digest({"sweep": spec.name, "cells": sorted(frame.cell_id), "table": table})
-    return Finding(f"{spec.name}: dPPL vs bits/element", body, key)
+    metrics = "dPPL and KL" if "kld" in spec.metrics else "dPPL"
+    return Finding(f"{spec.name}: {metrics} vs bits/element", body, key)
 
 
 def rank_correlation(a: pd.Series, b: pd.Series) -> float:

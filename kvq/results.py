@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvq.fingerprint import record_digest
+from kvq.policy import parse_policy
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 from kvq.quant.scalar import GROUPED
@@ -40,7 +41,10 @@ def _row(record: dict, path: Path) -> dict:
     unseeded = QuantSpec(**{**config["quant"], "seed": 0})
     granularity = quant.granularity + (f"-g{quant.group_size}" if quant.granularity in GROUPED else "")
     protocol = Protocol(**config.get("protocol", {}))
-    suffix = f" {protocol.label()}" if not protocol.is_default else ""
+    policy = parse_policy(config.get("policy"))
+    suffix = (f" {policy.label()}" if not policy.is_default else "") + (
+        f" {protocol.label()}" if not protocol.is_default else "")
+    divergence = record["metrics"].get("divergence", {})
     return {
         "model": config["model"],
         "mode": config["mode"],
@@ -58,6 +62,9 @@ def _row(record: dict, path: Path) -> dict:
         "fp_ppl": record["metrics"]["fp_ppl"],
         "ppl": record["metrics"]["ppl"],
         "dppl": record["metrics"]["dppl"],
+        "kld": divergence.get("kld"),
+        "max_window_kld": divergence.get("max_window_kld"),
+        "top1_agreement": divergence.get("top1_agreement"),
         "calibration_mse_reduction": (record.get("calibration") or {}).get("mse_reduction"),
         "cell_id": record.get("cell_id"),
         "measured_with": record.get("measured_with"),
@@ -85,7 +92,8 @@ def load_files(files: Iterable[Path]) -> pd.DataFrame:
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std of dPPL over seeds per configuration (std is 0 for a single seed)."""
+    """Mean and std of dPPL (and of KL to fp, where measured) over seeds per configuration (std is 0 for a
+    single seed)."""
     grouped = frame.groupby(SERIES_KEYS, sort=False)
     accuracies = {c: (c, "mean") for c in frame.columns if c.endswith(ACC_SUFFIX)}
     summary = grouped.agg(
@@ -95,6 +103,10 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         fp_ppl=("fp_ppl", "first"),
         dppl_mean=("dppl", "mean"),
         dppl_std=("dppl", lambda s: float(s.std(ddof=0))),
+        kld_mean=("kld", "mean"),
+        kld_std=("kld", lambda s: float(s.std(ddof=0))),
+        max_window_kld=("max_window_kld", "max"),
+        top1_mean=("top1_agreement", "mean"),
         seeds=("seed", "nunique"),
         calibration_mse_reduction=("calibration_mse_reduction", "first"),
     )

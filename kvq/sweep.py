@@ -8,7 +8,7 @@ no cell is computed twice and none is lost.
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvq import models
@@ -56,7 +56,7 @@ def validate_cells(cells: list[Cell]) -> None:
     for cell in cells:
         if cell.model not in configs:
             configs[cell.model] = models.load_config(cell.model)
-        make_bank(cell.model, configs[cell.model], cell.quant)
+        make_bank(cell.model, configs[cell.model], cell.quant, cell.policy)
 
 
 class _CellRunner:
@@ -66,14 +66,27 @@ class _CellRunner:
         self.spec, self.book, self.force = spec, book, force
         self.progress = window_progress or (lambda _label: None)
         self.loaded: tuple[str, models.LoadedModel, object] | None = None
+        self.references: dict[str, list] = {}  # mode -> the loaded model's fp log-probs, for KL metrics
         self.recomputed: set[Path] = set()  # baselines this run measured itself (--force does each once)
 
     def model(self, cell: Cell) -> tuple[models.LoadedModel, object]:
         if self.loaded is None or self.loaded[0] != cell.model:
-            self.loaded = None  # one model in memory at a time
+            self.loaded, self.references = None, {}  # one model in memory at a time
             lm = models.load(cell.model, device=self.book.device)
             self.loaded = (cell.model, lm, eval_windows(lm, cell.data))
         return self.loaded[1], self.loaded[2]
+
+    def reference(self, cell: Cell) -> list | None:
+        """The fp model's next-token log-probs on the cell's windows (once per model and mode), if the cell
+        asks for KL metrics."""
+        if not cell.kld:
+            return None
+        if cell.mode not in self.references:
+            lm, windows = self.model(cell)
+            kept: list = []
+            measure(lm, windows, None, cell.mode, cell.data, self.progress("fp reference"), keep_log_probs=kept)
+            self.references[cell.mode] = kept
+        return self.references[cell.mode]
 
     def baseline(self, baseline: Baseline, measure_fp: Callable[[], dict]) -> dict:
         with exclusive(self.book.claim_path(baseline.path.stem)):
@@ -97,8 +110,9 @@ class _CellRunner:
         if not force and self.book.staleness(cell) is None:  # a recomputed baseline matched the record's
             return False
         started = time.time()
-        bank = make_bank(cell.model, lm.model.config, cell.quant)
-        quantized = measure(lm, windows, bank, cell.mode, cell.data, self.progress(cell.quant.label()), cell.protocol)
+        bank = make_bank(cell.model, lm.model.config, cell.quant, cell.policy)
+        quantized = measure(lm, windows, bank, cell.mode, cell.data, self.progress(cell.label()), cell.protocol,
+                            self.reference(cell))
         quantized_bits = bank.measured_bits_per_element()
         fp_ppl = fp["measurement"]["ppl"]
         record = {
@@ -113,6 +127,7 @@ class _CellRunner:
                 "window_ppl": quantized.window_ppl,
                 "dppl": quantized.ppl - fp_ppl,
                 "tokens": quantized.tokens,
+                **({"divergence": asdict(quantized.divergence)} if quantized.divergence else {}),
             },
             # the cache's cost at the end of a window: the protocol's exact tokens in fp16, the rest as encoded
             "bits_per_element": cell.protocol.stored_bits_per_element(quantized_bits, cell.data.seq_len),
@@ -126,7 +141,7 @@ class _CellRunner:
             **provenance(self.book.device),
         }
         if cell.lmeval_tasks:
-            task_bank = make_bank(cell.model, lm.model.config, cell.quant)
+            task_bank = make_bank(cell.model, lm.model.config, cell.quant, cell.policy)
             record["metrics"]["lmeval"] = {}
             for task, fp_task in fp_tasks.items():
                 measured = fp_task["measurement"]

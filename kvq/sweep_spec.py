@@ -10,12 +10,13 @@ from typing import Any
 from kvq.apply import MODES
 from kvq.errors import KvqError
 from kvq.experiment import DataSpec
+from kvq.policy import SitePolicy, parse_policy
 from kvq.protocol import Protocol
 from kvq.quant import QUANTIZERS, SCALAR_FIELDS, QuantSpec, check_options, is_seeded, used_fields
 from kvq.quant.scalar import GRANULARITIES, GROUPED, SCALE_DTYPES
 from kvq.yamlspec import LocatedMapping, load_located
 
-METRICS = ("ppl",)
+METRICS = ("ppl", "kld")
 LMEVAL_PREFIX = "lmeval:"  # metrics "lmeval:<task>" run an lm-eval task per cell
 GRID_FIELDS = ("quantizer", "bits", "granularity", "group_size", "symmetric", "scale_dtype", "options",
                "calibration")
@@ -54,6 +55,7 @@ class SweepSpec:
     metrics: list[str] = field(default_factory=lambda: ["ppl"])
     lmeval: LmevalSpec = field(default_factory=LmevalSpec)
     protocols: list[Protocol] = field(default_factory=lambda: [Protocol()])
+    policies: list[SitePolicy] = field(default_factory=lambda: [SitePolicy()])
     source: str = ""
 
     @property
@@ -70,14 +72,23 @@ class Cell:
     lmeval_tasks: tuple[str, ...] = ()
     lmeval: LmevalSpec = field(default_factory=LmevalSpec)
     protocol: Protocol = field(default_factory=Protocol)
+    policy: SitePolicy = field(default_factory=SitePolicy)
+    kld: bool = False  # KL divergence to fp and top-1 agreement beside PPL
 
     def config(self) -> dict[str, Any]:
         config = {"model": self.model, "mode": self.mode, "data": self.data.to_dict(), "quant": self.quant.to_dict()}
         if self.lmeval_tasks:  # only then, so ppl-only cells keep their ids
             config["lmeval"] = {"tasks": list(self.lmeval_tasks), **self.lmeval.to_dict()}
-        if not self.protocol.is_default:  # likewise for cells under the default protocol
+        if not self.protocol.is_default:  # likewise for cells under the default protocol, one policy, PPL alone
             config["protocol"] = self.protocol.to_dict()
+        if not self.policy.is_default:
+            config["policy"] = self.policy.to_dict()
+        if self.kld:
+            config["metrics"] = ["ppl", "kld"]
         return config
+
+    def label(self) -> str:
+        return " ".join(part for part in (self.quant.label(), self.policy.label(), self.protocol.label()) if part)
 
     @property
     def id(self) -> str:
@@ -174,7 +185,7 @@ def _grid(fields_: _Fields) -> Grid:
     return grid
 
 
-TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics", "lmeval", "protocol")
+TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics", "lmeval", "protocol", "policy")
 PROTOCOL_FIELDS = tuple(f.name for f in fields(Protocol))
 LMEVAL_FIELDS = ("limit", "lengths", "depths")
 DATA_FIELDS = tuple(f.name for f in fields(DataSpec))
@@ -205,6 +216,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
         depths=tuple(float(d) for d in lmeval_fields.get_list("depths", (int, float), list(lmeval_default.depths))),
     )
     protocols = [_protocol(fields_) for fields_ in _mappings(top, "protocol", default_empty=True)]
+    policies = [_policy(fields_) for fields_ in _mappings(top, "policy", default_empty=True)]
     grids = [_grid(fields_) for fields_ in _mappings(top, "grid")]
     spec = SweepSpec(
         name=top.get("name", str, required=True),
@@ -216,6 +228,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
         metrics=top.get_list("metrics", str, ["ppl"]),
         lmeval=lmeval,
         protocols=protocols,
+        policies=policies,
         source=str(path),
     )
     if spec.mode == "hook" and protocols != [Protocol()]:
@@ -224,7 +237,9 @@ def load_sweep(path: str | Path) -> SweepSpec:
         top.fail("mode", f"{spec.mode!r} is not one of {', '.join(MODES)}")
     for metric in spec.metrics:
         if metric not in METRICS and not (metric.startswith(LMEVAL_PREFIX) and len(metric) > len(LMEVAL_PREFIX)):
-            top.fail("metrics", f"{metric!r} is not 'ppl' or 'lmeval:<task>'")
+            top.fail("metrics", f"{metric!r} is not 'ppl', 'kld' or 'lmeval:<task>'")
+    if spec.policies != [SitePolicy()] and any(q.calibration for grid in grids for q in grid.calibration if q):
+        top.fail("policy", "a calibration artifact is made for one quantizer at every site; drop one of them")
     if not spec.name.replace("_", "").replace("-", "").isalnum():
         top.fail("name", "use letters, digits, '-' and '_' only (it names the runs/ folder)")
     return spec
@@ -253,6 +268,15 @@ def _protocol(fields_: _Fields) -> Protocol:
     return Protocol(window, fields_.get("exact_prefill", bool, False))
 
 
+def _policy(fields_: _Fields) -> SitePolicy:
+    try:
+        return parse_policy(fields_.mapping)
+    except KvqError as exc:  # "policy.<field>: message", renamed to this policy's place in the file
+        where, _, message = str(exc).partition(": ")
+        raise KvqError(f"{fields_.path}:{fields_.mapping.line}: field "
+                       f"'{fields_.prefix.rstrip('.')}{where.removeprefix('policy')}': {message}") from None
+
+
 def _without_unused_fields(quant: QuantSpec) -> QuantSpec:
     """Fields a quantizer ignores go back to defaults, so they neither change ids nor duplicate cells."""
     defaults = QuantSpec()
@@ -264,10 +288,11 @@ def _without_unused_fields(quant: QuantSpec) -> QuantSpec:
 
 
 def expand(spec: SweepSpec) -> list[Cell]:
-    """Protocols x models x grid x seeds, in YAML order; unseeded quantizers get one cell instead of one
-    per seed."""
+    """Protocols x policies x models x grid x seeds, in YAML order; unseeded quantizers get one cell instead of
+    one per seed."""
     cells: dict[str, Cell] = {}
-    for protocol, model in itertools.product(spec.protocols, spec.models):
+    kld = "kld" in spec.metrics
+    for protocol, policy, model in itertools.product(spec.protocols, spec.policies, spec.models):
         for grid in spec.grids:
             combos = itertools.product(*(getattr(grid, f) for f in GRID_FIELDS))
             for quantizer, bits, granularity, group_size, symmetric, scale_dtype, options, calibration in combos:
@@ -276,6 +301,6 @@ def expand(spec: SweepSpec) -> list[Cell]:
                 first = _without_unused_fields(first)
                 for seed in spec.seeds if is_seeded(first) else spec.seeds[:1]:
                     cell = Cell(model, spec.mode, spec.data, replace(first, seed=seed), tuple(spec.lmeval_tasks),
-                                spec.lmeval, protocol)
+                                spec.lmeval, protocol, policy, kld)
                     cells.setdefault(cell.id, cell)
     return list(cells.values())

@@ -22,6 +22,11 @@ INPUTS = {
     "not-yaml.yaml": "name: t\nmodels: [a\n",
     "corpus.bin": bytes(range(256)) * 64,
     "spec.yaml": SPEC,
+    "policy-key.yaml": SPEC + "policy: {k: {bits: 8}, kv: {bits: 4}}\n",
+    "policy-rule.yaml": SPEC + "policy: [{}, {layers: [{first: 2, last: 1, use: fp}]}]\n",
+    "policy-range.yaml": SPEC + "policy: {layers: [{layers: [30], use: fp}]}\n",
+    "policy-clash.yaml": SPEC + "policy: {layers: [{first: 2, use: fp}, {layers: ['1-3'], k: {bits: 8}}]}\n",
+    "policy-field.yaml": SPEC + "policy: {v: {bitz: 4}}\n",
 }
 NO_MODEL = [
     (["sweep"], "Missing argument 'config'"),
@@ -46,6 +51,11 @@ NO_MODEL = [
     (["compare", "int-option.yaml", "seq.yaml"], "field 'grid.options': int has no option 'S'"),
     (["compare", "spec.yaml", "spec.yaml"], "1 of 1 cells of t are not current"),
     (["ppl", "--model", "/no/such/model/dir"], "built-in models: smollm2-135m"),
+    (["sweep", "policy-key.yaml"], "policy-key.yaml:6: field 'policy.kv': unknown field"),
+    (["sweep", "policy-rule.yaml"], "field 'policy[1].layers[0]': give exactly one of first, last, layers"),
+    (["sweep", "policy-field.yaml"], "field 'policy.v.bitz': unknown field"),
+    (["ppl", "--policy", "{k: [8]}"], "policy.k: expected a mapping"),
+    (["ppl", "--policy", "{k: {bits: 8}"], "--policy: not YAML"),
 ]
 WITH_MODEL = [
     (["ppl", "--bits", "1"], "bits"),
@@ -57,6 +67,9 @@ WITH_MODEL = [
     (["ppl", "--quant", "srht", "--option", "m=3"], "srht has no option 'm'"),
     (["ppl", "--corpus", "corpus.bin", "--n-windows", "1", "--seq-len", "32"], "corpus file corpus.bin is not UTF-8"),
     (["lmeval", "--quant", "int:4", "--tasks", "no_such_task", "--limit", "1"], "unknown lm-eval task"),
+    (["sweep", "policy-range.yaml"], "policy.layers: 30 is out of range for a model of 30 layers"),
+    (["sweep", "policy-clash.yaml"], "policy.layers: {first: 2} and {layers: ['1-3']} disagree on layer 1"),
+    (["ppl", "--policy", "{v: {bits: 9}}"], "policy: the V quantizer of layer 0"),
 ]
 
 
