@@ -21,6 +21,7 @@ SERIES_KEYS = ["model", "mode", "protocol", "quantizer", "granularity", "series"
 
 
 ACC_SUFFIX = " acc"
+DIVERGENCE_COLUMNS = ("kld", "max_window_kld", "top1_agreement")
 
 
 def _lmeval_columns(metrics: dict) -> dict:
@@ -94,6 +95,7 @@ def load_files(files: Iterable[Path]) -> pd.DataFrame:
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """Mean and std of dPPL (and of KL to fp, where measured) over seeds per configuration (std is 0 for a
     single seed)."""
+    frame = frame.assign(**{column: float("nan") for column in DIVERGENCE_COLUMNS if column not in frame})
     grouped = frame.groupby(SERIES_KEYS, sort=False)
     accuracies = {c: (c, "mean") for c in frame.columns if c.endswith(ACC_SUFFIX)}
     summary = grouped.agg(
