@@ -52,6 +52,28 @@ def _table(frame: pd.DataFrame) -> str:
     return markdown_table(header, rows)
 
 
+def _frontiers(frame: pd.DataFrame, metrics: list[str]) -> str:
+    """Per model and metric, the configurations no other beats on both stored bits and the metric's mean over
+    seeds, cheapest first: which method holds the frontier at which budget."""
+    from kvq.plot import pareto_front
+
+    summary = summarize(frame)
+    lines = []
+    for model, panel in summary.groupby("model", sort=False):
+        for metric in metrics:
+            points = panel[panel[f"{metric}_mean"].notna()]
+            if points.empty:
+                continue
+            front = pareto_front(points, metric)
+            name = "dPPL" if metric == "dppl" else "KL"
+            steps = ", ".join(f"{r.label} ({r.bits_per_element:.2f} b, {getattr(r, f'{metric}_mean'):+.4f})"
+                              if metric == "dppl" else
+                              f"{r.label} ({r.bits_per_element:.2f} b, {getattr(r, f'{metric}_mean'):.4f})"
+                              for r in front.itertuples())
+            lines.append(f"- {model}, {name} frontier: {steps}")
+    return "\n".join(lines)
+
+
 def _measured_with(contexts: list[dict]) -> str:
     """The cells' shared measuring context (a finding's cells are all current, so they share one)."""
     distinct = {record_digest(c) for c in contexts}
@@ -76,6 +98,9 @@ def sweep_finding(spec: SweepSpec, frame: pd.DataFrame, directory: Path, figures
         " (eval split).",
         "",
         table,
+        "",
+        "Pareto frontier (stored bits/element, mean over seeds):",
+        _frontiers(frame, ["dppl", "kld"] if "kld" in spec.metrics else ["dppl"]),
         "",
         f"JSON: `{directory}/` ({len(frame)} cells of this spec)",
         "Figure: " + ", ".join(f"`{p}`" for p in figures),
