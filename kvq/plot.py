@@ -41,7 +41,9 @@ def plot_metric_vs_bits(frame: pd.DataFrame, out_dir: Path, metric: str = "dppl"
         panel = summary[summary.model == model]
         # Colour tells the granularity and marker the quantizer, so series stay apart past ten of them;
         # with a single granularity the colour tells the quantizer too.
-        colour_key = "granularity" if panel.granularity.nunique() > 1 else "quantizer"
+        # A panel of ten series or fewer (e.g. one quantizer under several site policies) gets a colour each.
+        colour_key = ("series" if panel.series.nunique() <= 10
+                      else "granularity" if panel.granularity.nunique() > 1 else "quantizer")
         colours = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(panel[colour_key]))}
         markers = {q: MARKERS[i % len(MARKERS)] for i, q in enumerate(dict.fromkeys(panel.quantizer))}
         for series, points in panel.groupby("series", sort=False):
