@@ -126,7 +126,7 @@ def corpus_agreement(first: pd.DataFrame, second: pd.DataFrame, first_name: str,
     seeds each holds, and as % of fp PPL), rows by encoded bits, then the rank correlation of dPPL
     between the corpora over the configurations both hold: does an order seen on one text hold on another?"""
     columns = ["model", "protocol", "label", "quantized_bits_per_element", "bits_per_element", "fp_ppl",
-               "dppl_mean", "dppl_std", "seeds"]
+               "dppl_mean", "dppl_std", "kld_mean", "seeds"]
     merged = summarize(first)[columns].merge(summarize(second)[columns], on=["model", "protocol", "label"],
                                              suffixes=("", "_2"))
     sections = []
@@ -140,9 +140,12 @@ def corpus_agreement(first: pd.DataFrame, second: pd.DataFrame, first_name: str,
                   + (f" ± {r.dppl_std_2:.3f}" if r.seeds_2 > 1 else ""), f"{100 * r.dppl_mean_2 / r.fp_ppl_2:+.1f}%"]
                  for r in rows.itertuples()]
         rho = rank_correlation(rows.dppl_mean, rows.dppl_mean_2)
-        sections.append("\n".join([
-            f"### {model}, protocol {protocol} (fp PPL {rows.fp_ppl.iloc[0]:.3f} / {rows.fp_ppl_2.iloc[0]:.3f})", "",
-            markdown_table(header, table), "",
-            f"Spearman rank correlation of dPPL between the corpora over these {len(rows)} configurations: {rho:.3f}",
-        ]))
+        lines = [f"### {model}, protocol {protocol} (fp PPL {rows.fp_ppl.iloc[0]:.3f} / {rows.fp_ppl_2.iloc[0]:.3f})",
+                 "", markdown_table(header, table), "",
+                 f"Spearman rank correlation of dPPL between the corpora over these {len(rows)} configurations: "
+                 f"{rho:.3f}"]
+        if rows.kld_mean.notna().all() and rows.kld_mean_2.notna().all():
+            lines.append(f"Spearman rank correlation of KL(fp || q) between the corpora: "
+                         f"{rank_correlation(rows.kld_mean, rows.kld_mean_2):.3f}")
+        sections.append("\n".join(lines))
     return "\n\n".join(sections)

@@ -92,7 +92,8 @@ def test_kl_is_zero_against_itself_and_positive_for_two_bits(mode):
 
 
 def test_sweeps_grid_over_policies_and_keep_the_ids_of_default_cells(tmp_path):
-    base = "name: p\nmodels: [smollm2-135m]\ndata: {seq_len: 32, n_windows: 1}\nmode: cache\ngrid:\n  quantizer: [int]\n"
+    base = ("name: p\nmodels: [smollm2-135m]\ndata: {seq_len: 32, n_windows: 1}\nmode: cache\n"
+            "grid:\n  quantizer: [int]\n")
     plain = tmp_path / "plain.yaml"
     plain.write_text(base)
     mixed = tmp_path / "mixed.yaml"

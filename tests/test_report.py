@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from kvq.report import corpus_agreement, rank_correlation
+from kvq.report import _frontiers, corpus_agreement, rank_correlation
 
 
 def test_rank_correlation_is_spearmans_rho():
@@ -36,3 +36,11 @@ def test_corpus_agreement_pairs_configurations_and_ranks_them():
     assert "only-here" not in text
     assert "over these 3 configurations: 0.500" in default  # ranks (2, 1, 3) against (1, 2, 3)
     assert "over these 2 configurations: 1.000" in windowed
+
+
+def test_findings_name_the_frontier_per_model_and_metric():
+    frame = _cells({"cheap-bad": [5.0], "dominated": [6.0, 6.0], "dear-good": [1.0, 3.0]}, 50.0)
+    frame["kld"] = [0.5, 0.7, 0.7, 0.1, 0.3]
+    lines = _frontiers(frame, ["dppl", "kld"]).splitlines()
+    assert lines == ["- m, dPPL frontier: cheap-bad (2.00 b, +5.0000), dear-good (4.00 b, +2.0000)",
+                     "- m, KL frontier: cheap-bad (2.00 b, 0.5000), dear-good (4.00 b, 0.2000)"]
