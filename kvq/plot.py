@@ -11,8 +11,10 @@ import pandas as pd
 
 from kvq.results import summarize
 
-LOG_FLOOR = 1e-3
-MARKERS = "osD^vP*X"  # dPPL <= 0 (lossless within noise) is drawn at this floor on the log axis
+# dPPL <= 0 (lossless within noise) is drawn at its floor on the log axis; KL is never negative, and near-lossless
+# settings reach 1e-4 nats/token
+LOG_FLOORS = {"dppl": 1e-3, "kld": 1e-5}
+MARKERS = "osD^vP*X"
 
 
 METRIC_AXES = {"dppl": "dPPL vs fp (log)", "kld": "KL(fp || quantized), nats/token (log)"}
@@ -33,26 +35,25 @@ def plot_metric_vs_bits(frame: pd.DataFrame, out_dir: Path, metric: str = "dppl"
     """One figure, `<metric>_vs_bits.png/.pdf` in out_dir: `metric` is dppl or kld (cells without it are left out)."""
     summary = summarize(frame)
     summary = summary[summary[f"{metric}_mean"].notna()].copy()
-    summary["y"] = summary[f"{metric}_mean"].clip(lower=LOG_FLOOR)
+    floor = LOG_FLOORS[metric]
+    summary["y"] = summary[f"{metric}_mean"].clip(lower=floor)
     stem = f"{metric}_vs_bits"
     model_names = list(dict.fromkeys(summary.model))
     fig, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4.5), squeeze=False)
     for ax, model in zip(axes[0], model_names, strict=True):
         panel = summary[summary.model == model]
-        # Colour tells the granularity and marker the quantizer, so series stay apart past ten of them;
-        # with a single granularity the colour tells the quantizer too.
-        # A panel of ten series or fewer (e.g. one quantizer under several site policies) gets a colour each.
-        colour_key = ("series" if panel.series.nunique() <= 10
-                      else "granularity" if panel.granularity.nunique() > 1 else "quantizer")
+        # A panel of ten series or fewer (e.g. one quantizer under several site policies) gets a colour each;
+        # past that, colour tells the quantizer and marker the granularity.
+        colour_key = "series" if panel.series.nunique() <= 10 else "quantizer"
         colours = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(panel[colour_key]))}
-        markers = {q: MARKERS[i % len(MARKERS)] for i, q in enumerate(dict.fromkeys(panel.quantizer))}
+        markers = {g: MARKERS[i % len(MARKERS)] for i, g in enumerate(dict.fromkeys(panel.granularity))}
         for series, points in panel.groupby("series", sort=False):
             points = points.sort_values("bits_per_element")
             first = points.iloc[0]
             ax.errorbar(points.bits_per_element, points.y, yerr=points[f"{metric}_std"], capsize=3, label=series,
-                        color=colours[first[colour_key]], marker=markers[first.quantizer], ms=7, alpha=0.85)
+                        color=colours[first[colour_key]], marker=markers[first.granularity], ms=7, alpha=0.85)
         front = pareto_front(panel, metric)
-        ax.plot(front.bits_per_element, front[f"{metric}_mean"].clip(lower=LOG_FLOOR), "k--", lw=1, marker="s",
+        ax.plot(front.bits_per_element, front[f"{metric}_mean"].clip(lower=floor), "k--", lw=1, marker="s",
                 mfc="none", ms=13, alpha=0.6, label="Pareto frontier")
         ax.set_yscale("log")
         ax.set_xlabel("bits / element (scales included)")
