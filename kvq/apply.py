@@ -61,23 +61,23 @@ class QuantizerBank:
         self.policy = policy
         self._built: dict[tuple[int, str], Quantizer] = {}
         # Bad bits, group sizes or policies should fail here, before any model work.
+        self._site_specs = None
         if not policy.is_default:
             if learned:
                 raise KvqError("a calibration artifact is made for one quantizer at every site; it cannot be "
                                "combined with a per-site policy")
-            policy.check(geometry.n_layers)
-            for layer in range(geometry.n_layers):
-                for role in ("k", "v"):
-                    try:
-                        self.get(layer, role)
-                    except KvqError as exc:
-                        raise KvqError(f"policy: the {role.upper()} quantizer of layer {layer}: {exc}") from None
+            self._site_specs = policy.site_specs(spec, geometry.n_layers)
+            for layer, role in self._site_specs:
+                try:
+                    self.get(layer, role)
+                except KvqError as exc:
+                    raise KvqError(f"policy: the {role.upper()} quantizer of layer {layer}: {exc}") from None
         self.bits_per_element(1)
 
     def get(self, layer: int, role: str) -> Quantizer:
         key = (layer, role)
         if key not in self._built:
-            spec = self.policy.spec_for(self.spec, layer, role, self.geometry.n_layers)
+            spec = self.spec if self._site_specs is None else self._site_specs[key]
             site = Site(layer, role, self.geometry.head_dim, self.learned.get(key))
             self._built[key] = Exact() if spec is None else build_quantizer(spec, site)
         return self._built[key]

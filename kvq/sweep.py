@@ -16,7 +16,7 @@ from kvq.calibrate import calibration_summary
 from kvq.experiment import eval_windows, make_bank, measure
 from kvq.fingerprint import sealed
 from kvq.locks import exclusive
-from kvq.ppl import Progress
+from kvq.ppl import PplResult, Progress
 from kvq.provenance import provenance
 from kvq.records import (
     CELL_FORMAT,
@@ -59,15 +59,17 @@ def validate_cells(cells: list[Cell]) -> None:
         make_bank(cell.model, configs[cell.model], cell.quant, cell.policy)
 
 
-class _CellRunner:
-    """Measures cells one model at a time, pairing each with its fp baselines."""
+class CellRunner:
+    """Measures cells one model at a time, pairing each with its fp baselines: read from the book's
+    folder, else measured and written there. Executors (kvq.executors) run one in each worker process,
+    on a folder of the worker's own, and ship the records back."""
 
-    def __init__(self, spec: SweepSpec, book: RecordBook, force: bool, window_progress: WindowProgress | None):
-        self.spec, self.book, self.force = spec, book, force
+    def __init__(self, spec: SweepSpec, book: RecordBook, window_progress: WindowProgress | None = None):
+        self.spec, self.book = spec, book
         self.progress = window_progress or (lambda _label: None)
         self.loaded: tuple[str, models.LoadedModel, object] | None = None
         self.references: dict[str, list] = {}  # mode -> the loaded model's fp log-probs, for KL metrics
-        self.recomputed: set[Path] = set()  # baselines this run measured itself (--force does each once)
+        self.recomputed: set[Path] = set()  # baselines this runner measured itself (--force does each once)
 
     def model(self, cell: Cell) -> tuple[models.LoadedModel, object]:
         if self.loaded is None or self.loaded[0] != cell.model:
@@ -76,39 +78,51 @@ class _CellRunner:
             self.loaded = (cell.model, lm, eval_windows(lm, cell.data))
         return self.loaded[1], self.loaded[2]
 
-    def reference(self, cell: Cell) -> list | None:
-        """The fp model's next-token log-probs on the cell's windows (once per model and mode), if the cell
-        asks for KL metrics."""
-        if not cell.kld:
-            return None
-        if cell.mode not in self.references:
-            lm, windows = self.model(cell)
-            kept: list = []
-            measure(lm, windows, None, cell.mode, cell.data, self.progress("fp reference"), keep_log_probs=kept)
+    def fp_pass(self, cell: Cell, label: str) -> PplResult:
+        """The fp model on the cell's windows; its next-token log-probs become the KL reference of the
+        loaded model and mode when cells ask for KL and none is kept yet."""
+        lm, windows = self.model(cell)
+        kept = [] if cell.kld and cell.mode not in self.references else None
+        result = measure(lm, windows, None, cell.mode, cell.data, self.progress(label), keep_log_probs=kept)
+        if kept is not None:
             self.references[cell.mode] = kept
-        return self.references[cell.mode]
+        return result
 
-    def baseline(self, baseline: Baseline, measure_fp: Callable[[], dict]) -> dict:
+    def reference(self, cell: Cell) -> list | None:
+        """The fp log-probs KL metrics compare with (None when the cell asks for none): kept from the fp
+        baseline when this runner measured it, else from a pass of their own."""
+        if cell.kld and cell.mode not in self.references:
+            self.fp_pass(cell, "fp reference")
+        return self.references.get(cell.mode) if cell.kld else None
+
+    def baseline(self, baseline: Baseline, measure_fp: Callable[[], dict], force: bool) -> dict:
         with exclusive(self.book.claim_path(baseline.path.stem)):
             record = read_baseline(baseline)
-            if record is None or (self.force and baseline.path not in self.recomputed):
+            if record is None or (force and baseline.path not in self.recomputed):
                 record = write_baseline(baseline, measure_fp(), self.book.device)
                 self.recomputed.add(baseline.path)
         return record
 
     def run(self, cell: Cell, force: bool) -> bool:
         """Measures and writes the cell unless it is current and not forced; True when it ran."""
+        record = self.measure(cell, force)
+        if record is not None:
+            write_json_atomic(self.book.cell_path(cell), record)
+        return record is not None
+
+    def measure(self, cell: Cell, force: bool) -> dict | None:
+        """The cell's sealed record, or None when its record is current and it is not forced (`force` also
+        measures its fp baselines again, once per runner)."""
         if not force and self.book.staleness(cell) is None:
-            return False
+            return None
         lm, windows = self.model(cell)
         baselines = self.book.baselines(cell)
-        fp = self.baseline(baselines[PPL_BASELINE], lambda: measure(
-            lm, windows, None, cell.mode, cell.data, self.progress("fp baseline")).to_dict())
+        fp = self.baseline(baselines[PPL_BASELINE], lambda: self.fp_pass(cell, "fp baseline").to_dict(), force)
         fp_tasks = {task: self.baseline(baselines[LMEVAL_BASELINE + task],
-                                        lambda t=task: self.lmeval(lm, cell, None, t))
+                                        lambda t=task: self.lmeval(lm, cell, None, t), force)
                     for task in cell.lmeval_tasks}
         if not force and self.book.staleness(cell) is None:  # a recomputed baseline matched the record's
-            return False
+            return None
         started = time.time()
         bank = make_bank(cell.model, lm.model.config, cell.quant, cell.policy)
         quantized = measure(lm, windows, bank, cell.mode, cell.data, self.progress(cell.label()), cell.protocol,
@@ -148,8 +162,7 @@ class _CellRunner:
                 record["metrics"]["lmeval"][task] = {**self.lmeval(lm, cell, task_bank, task),
                                                      "fp_metrics": measured["metrics"],
                                                      "fp_samples": measured["samples"]}
-        write_json_atomic(self.book.cell_path(cell), sealed(record))
-        return True
+        return sealed(record)
 
     def lmeval(self, lm: models.LoadedModel, cell: Cell, bank, task: str) -> dict:
         """One lm-eval task under the bank (None: fp): its metrics and per-sample responses."""
@@ -162,18 +175,27 @@ class _CellRunner:
         return run_task(lm, bank, cell.mode, task, settings.limit, folder, self.book.device, cell.protocol)
 
 
+def pending(spec: SweepSpec, book: RecordBook, force: bool) -> tuple[list[Cell], list[Cell]]:
+    """The spec's cells split into (to run, current), those to run in model order (one model load per
+    model)."""
+    cells = expand(spec)
+    todo = sorted((c for c in cells if force or book.staleness(c) is not None),
+                  key=lambda c: spec.models.index(c.model))
+    return todo, [c for c in cells if c not in todo]
+
+
 def run_sweep(spec: SweepSpec, runs_dir: Path, force: bool = False, device: str = "cpu",
               cell_progress: Callable[[list], list] | None = None,
               window_progress: WindowProgress | None = None) -> SweepOutcome:
+    """Every cell in this process (the local executor)."""
     cells = expand(spec)
     validate_cells(cells)
     directory = sweep_dir(runs_dir, spec)
     removed = remove_dead_temporaries(directory) if directory.is_dir() else []
     book = RecordBook(directory, device)
-    todo = sorted((c for c in cells if force or book.staleness(c) is not None),
-                  key=lambda c: spec.models.index(c.model))  # stable: one model load per model
-    skipped = [c.id for c in cells if c not in todo]
-    runner = _CellRunner(spec, book, force, window_progress)
+    todo, current = pending(spec, book, force)
+    skipped = [c.id for c in current]
+    runner = CellRunner(spec, book, window_progress)
     ran: list[str] = []
     held_elsewhere: list[Cell] = []
     for cell in (cell_progress or list)(todo):

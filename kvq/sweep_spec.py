@@ -14,7 +14,7 @@ from kvq.policy import SitePolicy, parse_policy
 from kvq.protocol import Protocol
 from kvq.quant import QUANTIZERS, SCALAR_FIELDS, QuantSpec, check_options, is_seeded, used_fields
 from kvq.quant.scalar import GRANULARITIES, GROUPED, SCALE_DTYPES
-from kvq.yamlspec import LocatedMapping, load_located
+from kvq.yamlspec import Fields, LocatedMapping, load_located
 
 METRICS = ("ppl", "kld")
 LMEVAL_PREFIX = "lmeval:"  # metrics "lmeval:<task>" run an lm-eval task per cell
@@ -101,61 +101,13 @@ class Cell:
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
-class _Fields:
-    """Reads typed fields from a located mapping, naming file, line and dotted field on error."""
-
-    def __init__(self, path: Path, mapping: LocatedMapping, prefix: str = ""):
-        self.path, self.mapping, self.prefix = path, mapping, prefix
-
-    def fail(self, key: str, message: str):
-        line = self.mapping.lines.get(key, self.mapping.line)
-        raise KvqError(f"{self.path}:{line}: field '{self.prefix}{key}': {message}")
-
-    def unknown_keys(self, allowed) -> None:
-        for key in self.mapping:
-            if key not in allowed:
-                self.fail(key, f"unknown field; expected one of {', '.join(allowed)}")
-
-    def get(self, key: str, kind: type, default=None, required: bool = False):
-        if key not in self.mapping:
-            if required:
-                line = self.mapping.line
-                raise KvqError(f"{self.path}:{line}: field '{self.prefix}{key}' is required")
-            return default
-        value = self.mapping[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            self.fail(key, f"expected {kind.__name__}, got {value!r}")
-        return value
-
-    def get_list(self, key: str, kind: type, default=None, required: bool = False) -> list:
-        value = self.mapping.get(key, default)
-        if key not in self.mapping and required:
-            raise KvqError(f"{self.path}:{self.mapping.line}: field '{self.prefix}{key}' is required")
-        if not isinstance(value, list):
-            value = [value]
-        if not value:
-            self.fail(key, "must not be empty")
-        for item in value:
-            if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
-                self.fail(key, f"expected {getattr(kind, '__name__', 'str or null')} items, got {item!r}")
-        return value
-
-    def nested(self, key: str) -> "_Fields":
-        value = self.mapping.get(key, LocatedMapping({}, {}, self.mapping.lines.get(key, self.mapping.line)))
-        if not isinstance(value, LocatedMapping):
-            self.fail(key, "expected a mapping")
-        return _Fields(self.path, value, f"{self.prefix}{key}.")
-
-
-def _check_members(fields_: _Fields, key: str, values: list, allowed) -> None:
+def _check_members(fields_: Fields, key: str, values: list, allowed) -> None:
     for value in values:
         if value not in allowed:
             fields_.fail(key, f"{value!r} is not one of {', '.join(map(str, allowed))}")
 
 
-def _grid(fields_: _Fields) -> Grid:
+def _grid(fields_: Fields) -> Grid:
     fields_.unknown_keys(GRID_FIELDS)
     defaults = Grid(quantizer=[])
     grid = Grid(
@@ -185,7 +137,9 @@ def _grid(fields_: _Fields) -> Grid:
     return grid
 
 
-TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics", "lmeval", "protocol", "policy")
+# `executor` says how cells run (kvq.executors reads it), never what they measure: it enters no cell.
+TOP_FIELDS = ("name", "models", "data", "mode", "grid", "seeds", "metrics", "lmeval", "protocol", "policy",
+              "executor")
 PROTOCOL_FIELDS = tuple(f.name for f in fields(Protocol))
 LMEVAL_FIELDS = ("limit", "lengths", "depths")
 DATA_FIELDS = tuple(f.name for f in fields(DataSpec))
@@ -193,7 +147,7 @@ DATA_FIELDS = tuple(f.name for f in fields(DataSpec))
 
 def load_sweep(path: str | Path) -> SweepSpec:
     path = Path(path)
-    top = _Fields(path, load_located(path))
+    top = Fields(path, load_located(path))
     top.unknown_keys(TOP_FIELDS)
     data_fields = top.nested("data")
     data_fields.unknown_keys(DATA_FIELDS)
@@ -245,7 +199,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
     return spec
 
 
-def _mappings(top: _Fields, key: str, default_empty: bool = False) -> list[_Fields]:
+def _mappings(top: Fields, key: str, default_empty: bool = False) -> list[Fields]:
     """A top-level field given as one mapping or a list of them (each a separate set of cells)."""
     if key not in top.mapping and not default_empty:
         top.get(key, LocatedMapping, required=True)
@@ -256,11 +210,11 @@ def _mappings(top: _Fields, key: str, default_empty: bool = False) -> list[_Fiel
     for item in items:
         if not isinstance(item, LocatedMapping):
             top.fail(key, "expected a mapping or a list of mappings")
-    return [_Fields(top.path, item, f"{key}[{index}]." if isinstance(raw, list) else f"{key}.")
+    return [Fields(top.path, item, f"{key}[{index}]." if isinstance(raw, list) else f"{key}.")
             for index, item in enumerate(items)]
 
 
-def _protocol(fields_: _Fields) -> Protocol:
+def _protocol(fields_: Fields) -> Protocol:
     fields_.unknown_keys(PROTOCOL_FIELDS)
     window = fields_.get("window", int, 0)
     if window < 0:
@@ -268,7 +222,7 @@ def _protocol(fields_: _Fields) -> Protocol:
     return Protocol(window, fields_.get("exact_prefill", bool, False))
 
 
-def _policy(fields_: _Fields) -> SitePolicy:
+def _policy(fields_: Fields) -> SitePolicy:
     try:
         return parse_policy(fields_.mapping)
     except KvqError as exc:  # "policy.<field>: message", renamed to this policy's place in the file

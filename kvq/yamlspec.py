@@ -106,3 +106,51 @@ def load_located(path: Path) -> LocatedMapping:
         return _Builder(path).build(node)
     except RecursionError as exc:
         raise KvqError(f"{path}: invalid YAML: nested too deeply") from exc
+
+
+class Fields:
+    """Reads typed fields from a located mapping, naming file, line and dotted field on error."""
+
+    def __init__(self, path: Path, mapping: LocatedMapping, prefix: str = ""):
+        self.path, self.mapping, self.prefix = path, mapping, prefix
+
+    def fail(self, key: str, message: str):
+        line = self.mapping.lines.get(key, self.mapping.line)
+        raise KvqError(f"{self.path}:{line}: field '{self.prefix}{key}': {message}")
+
+    def unknown_keys(self, allowed) -> None:
+        for key in self.mapping:
+            if key not in allowed:
+                self.fail(key, f"unknown field; expected one of {', '.join(allowed)}")
+
+    def get(self, key: str, kind: type, default=None, required: bool = False):
+        if key not in self.mapping:
+            if required:
+                line = self.mapping.line
+                raise KvqError(f"{self.path}:{line}: field '{self.prefix}{key}' is required")
+            return default
+        value = self.mapping[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            self.fail(key, f"expected {kind.__name__}, got {value!r}")
+        return value
+
+    def get_list(self, key: str, kind: type, default=None, required: bool = False) -> list:
+        value = self.mapping.get(key, default)
+        if key not in self.mapping and required:
+            raise KvqError(f"{self.path}:{self.mapping.line}: field '{self.prefix}{key}' is required")
+        if not isinstance(value, list):
+            value = [value]
+        if not value:
+            self.fail(key, "must not be empty")
+        for item in value:
+            if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
+                self.fail(key, f"expected {getattr(kind, '__name__', 'str or null')} items, got {item!r}")
+        return value
+
+    def nested(self, key: str) -> "Fields":
+        value = self.mapping.get(key, LocatedMapping({}, {}, self.mapping.lines.get(key, self.mapping.line)))
+        if not isinstance(value, LocatedMapping):
+            self.fail(key, "expected a mapping")
+        return Fields(self.path, value, f"{self.prefix}{key}.")
