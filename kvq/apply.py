@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvq import ops
 from kvq.attention import SCORE_ATTENTION, WINDOW_ATTENTION, switch_attention, uses_score_path
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
@@ -108,7 +109,7 @@ def _projection_hook(quantizer: Quantizer, head_dim: int) -> Callable:
     def hook(_module, _inputs, output):
         batch, tokens, width = output.shape
         heads = output.view(batch, tokens, width // head_dim, head_dim).transpose(1, 2)
-        return quantizer(heads).transpose(1, 2).reshape(batch, tokens, width).to(output.dtype)
+        return ops.roundtrip(quantizer, heads).transpose(1, 2).reshape(batch, tokens, width).to(output.dtype)
 
     return hook
 
@@ -120,8 +121,8 @@ def quantized_pair(bank: QuantizerBank, layer: int, keys: torch.Tensor, values: 
     if uses_score_path(key_quantizer):
         keys = key_quantizer.attention_keys(keys)
     else:
-        keys = key_quantizer(keys).to(keys.dtype)
-    return keys, bank.get(layer, "v")(values).to(values.dtype)
+        keys = ops.roundtrip(key_quantizer, keys).to(keys.dtype)
+    return keys, ops.roundtrip(bank.get(layer, "v"), values).to(values.dtype)
 
 
 class QuantizedWriteCache(DynamicCache):

@@ -140,27 +140,46 @@ def sweep(
     status: bool = typer.Option(False, "--status", "--dry-run",
                                 help="list the spec's cells as current/todo/stale, and records not in it; run nothing"),
     force: bool = typer.Option(False, help="recompute every cell and fp baseline"),
-    device: str = device_option(),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps; under ray / slurm, where cells run "
+                                            "(auto: cuda when each cell gets GPUs)"),
+    executor: str = typer.Option(None, help="local (default), ray or slurm; also `executor: {name: ...}` in the YAML"),
+    ray_address: str = typer.Option(None, help="ray: a running cluster (host:port, or auto); default starts one here"),
+    gpus: float = typer.Option(None, help="ray / slurm: GPUs per cell"),
+    cpus: float = typer.Option(None, help="ray / slurm: CPUs per cell"),
+    retries: int = typer.Option(None, help="ray / slurm: runs again a cell whose worker died, this many times"),
+    partition: str = typer.Option(None, help="slurm: partition"),
+    time_limit: int = typer.Option(None, "--time", help="slurm: minutes per job"),
+    cells_per_job: int = typer.Option(None, help="slurm: cells per array job"),
+    cluster: str = typer.Option(None, help="slurm: 'slurm', or 'local' to run the jobs as processes here"),
 ):
     """Run every cell of a YAML sweep (resumable), then plot and append a finding to RESULTS.md."""
+    from kvq import executors
+    from kvq.executors.driver import SweepIncomplete
     from kvq.ledger import append_finding
     from kvq.plot import plot_metric_vs_bits
     from kvq.report import sweep_finding
     from kvq.results import load_files
-    from kvq.sweep import run_sweep, sweep_dir, sweep_status
+    from kvq.sweep import sweep_dir, sweep_status
     from kvq.sweep_spec import load_sweep
 
     spec = load_sweep(config)
+    settings = executors.executor_settings(config, {
+        "name": executor, "address": ray_address, "gpus": gpus, "cpus": cpus, "retries": retries,
+        "partition": partition, "time": time_limit, "cells_per_job": cells_per_job, "cluster": cluster})
+    device = executors.sweep_device(settings, device)
     if status:
         _print_status(sweep_status(spec, runs_dir, device), sweep_dir(runs_dir, spec))
         return
     try:
-        outcome = run_sweep(spec, runs_dir, force, device,
-                            cell_progress=lambda cells: tqdm(cells, desc="cells", file=sys.stderr),
-                            window_progress=progress_bar)
+        outcome = executors.run(spec, settings, runs_dir, force, device,
+                                cell_progress=lambda cells: tqdm(cells, desc="cells", file=sys.stderr),
+                                window_progress=progress_bar)
     except KeyboardInterrupt:
         typer.echo("kvq: sweep interrupted; finished cells are saved, rerun the same command to resume", err=True)
         sys.exit(130)
+    except SweepIncomplete as exc:
+        typer.echo(f"kvq: error: {exc}", err=True)
+        sys.exit(1)
     others = f", {len(outcome.by_others)} finished by a concurrent run" if outcome.by_others else ""
     typer.echo(f"{len(outcome.ran)} cells ran, {len(outcome.skipped)} already done{others} -> {outcome.directory}")
     if outcome.removed_temporaries:

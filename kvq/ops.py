@@ -195,6 +195,12 @@ def metered_encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
     return quantizer.meter(encode(quantizer, x), x.numel())
 
 
+def roundtrip(quantizer: Quantizer, x: torch.Tensor) -> torch.Tensor:
+    """quantizer(x): quantize-dequantize with the storage metered, through the kernels where the quantizer
+    declares a packed layout (what hook and cache mode measure on a GPU)."""
+    return decode(quantizer, metered_encode(quantizer, x))
+
+
 def decode(quantizer: Quantizer, packed: Packed) -> torch.Tensor:
     """quantizer.decode(packed), through kvq::dequantize where the quantizer declares a packed layout."""
     form = quantizer.packed_form()
@@ -204,4 +210,4 @@ def decode(quantizer: Quantizer, packed: Packed) -> torch.Tensor:
     return dequantize(inner.codes, inner.scale.squeeze(-1), form, packed.dtype)
 
 
-__all__ = ["decode", "decode_attention", "dequantize", "encode", "metered_encode", "quantize"]
+__all__ = ["decode", "decode_attention", "dequantize", "encode", "metered_encode", "quantize", "roundtrip"]

@@ -106,5 +106,6 @@ def provenance(device: str = "cpu") -> dict:
         "git": git_state(),
         "versions": versions(),
         "device": device_name(device),
+        "threads": torch.get_num_threads(),  # CPU numbers depend on it: sums in another order round apart
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -25,9 +25,9 @@ def loaded(name: str):
     return models.load(name)
 
 
-def run_kvq(*args: str, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_kvq(*args: str, cwd=None, timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "kvq", *args]
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, check=False)
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, check=False, env=env)
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

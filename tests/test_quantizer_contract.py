@@ -56,6 +56,10 @@ def assert_packed_layout_round_trips_through_the_ops(name: str, granularity: str
     packed = ops.encode(quantizer, x)
     assert torch.equal(packed.inner.codes, codes) and torch.equal(packed.inner.codes, expected.inner.codes)
     assert torch.equal(ops.decode(quantizer, packed), quantizer.decode(expected))
+    for dtype in (torch.float16, torch.float32):  # what hook and cache mode measure, in either model dtype
+        through_ops, direct = (build(name, "k", granularity=granularity) for _ in range(2))
+        assert torch.equal(ops.roundtrip(through_ops, x.to(dtype)), direct(x.to(dtype)))
+        assert through_ops.stored_bits == direct.stored_bits and through_ops.stored_elements == direct.stored_elements
 
 
 @pytest.mark.parametrize("role", ["k", "v"])
