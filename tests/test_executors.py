@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import requires_models, run_kvq
+from conftest import counting_fp_passes, requires_models, run_kvq
 
 from kvq import executors
 from kvq.errors import KvqError
 from kvq.executors import ExecutorSettings, executor_settings, sweep_device
+from kvq.executors.driver import SweepIncomplete, distribute
+from kvq.executors.worker import measure_batch
 from kvq.fingerprint import verified
 from kvq.sweep_spec import expand, load_sweep
 
@@ -38,6 +40,84 @@ def local_smoke(tmp_path_factory) -> Path:
     finally:
         torch.set_num_threads(threads)
     return outcome.directory
+
+
+class InProcess:
+    """A backend that measures each batch here when the driver collects it, failing the first `failures`
+    attempts as a dead worker would, or interrupted (Ctrl-C) while it waits."""
+
+    retries, cells_per_batch = 1, 2
+
+    def __init__(self, spec, failures: int = 0, interrupt: bool = False):
+        self.spec, self.failures, self.interrupt = spec, failures, interrupt
+        self.submitted: list = []
+        self.cancelled: list = []
+
+    def submit(self, batches):
+        self.submitted += batches
+        return list(range(len(self.submitted) - len(batches), len(self.submitted)))
+
+    def wait(self, handles):
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return handles[:1]
+
+    def result(self, handle):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the worker died")
+        return measure_batch(self.spec, self.submitted[handle], "cpu", 1)
+
+    def cancel(self, handles):
+        self.cancelled += handles
+
+
+@pytest.fixture
+def fresh_workers(monkeypatch):
+    """No worker state from other tests, and this process's thread count back afterwards."""
+    from kvq.executors import worker
+
+    monkeypatch.setattr(worker, "_runners", {})
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@requires_models
+def test_the_driver_measures_baselines_once_and_retries_a_dead_worker(tmp_path, local_smoke, fresh_workers,
+                                                                     monkeypatch):
+    spec = load_sweep(SMOKE)
+    passes = counting_fp_passes(monkeypatch)
+    backend = InProcess(spec, failures=1)
+    outcome = distribute(spec, backend, tmp_path, False, "cpu")
+    leader, *followers = backend.submitted
+    assert len(leader.cells) == 1 and not leader.baselines  # one cell measures the group's fp baseline ...
+    assert followers[0] == leader  # (sent again once: its first worker died)
+    rest = followers[1:]
+    assert all(len(b.cells) <= 2 and list(b.baselines) == ["baselines/" + next(
+        (tmp_path / "smoke" / "baselines").iterdir()).name] for b in rest)  # ... the others carry it
+    assert len(passes) == 1
+    assert sorted(outcome.ran) == sorted(c.id for c in expand(spec))  # every cell once
+    assert dppl(outcome.directory) == dppl(local_smoke)
+
+
+@requires_models
+def test_cells_past_their_retries_are_named_and_the_rest_kept(tmp_path, fresh_workers):
+    spec = load_sweep(SMOKE)
+    with pytest.raises(SweepIncomplete, match=r"^6 cells were not measured: their batch failed 2 times"):
+        distribute(spec, InProcess(spec, failures=2), tmp_path, False, "cpu")  # the leader's group waits on it
+    assert not list((tmp_path / "smoke").glob("*.json"))
+    backend = InProcess(spec, failures=0)
+    distribute(spec, backend, tmp_path, False, "cpu")
+    assert len(list((tmp_path / "smoke").glob("*.json"))) == len(expand(spec))
+
+
+def test_ctrl_c_cancels_what_is_outstanding(tmp_path, fresh_workers):
+    spec = load_sweep(SMOKE)
+    backend = InProcess(spec, interrupt=True)
+    with pytest.raises(KeyboardInterrupt):
+        distribute(spec, backend, tmp_path, False, "cpu")
+    assert backend.cancelled == [0] and not list((tmp_path / "smoke").glob("*.json"))
 
 
 def spec_with(tmp_path: Path, executor: str) -> Path:

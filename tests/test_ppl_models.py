@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import loaded, requires_models
 
+from kvq import ops
 from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
 from kvq.data import token_windows
 from kvq.ppl import perplexity
@@ -38,23 +39,20 @@ def test_smollm2_ppl_orders_by_bits():
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
-def test_cache_mode_quantizes_every_layer(name):
+def test_cache_mode_quantizes_every_layer(name, monkeypatch):
     """Cache mode must touch every layer, sliding-window ones included (Gemma-3)."""
     lm = loaded(name)
     geometry = kv_geometry(lm.model.config)
     bank = QuantizerBank(QuantSpec("srft", 4, "per_token"), geometry)
+    sites = {id(bank.get(layer, role)): (layer, role) for layer in range(geometry.n_layers) for role in ("k", "v")}
     seen = set()
-    for layer in range(geometry.n_layers):
-        for role in ("k", "v"):
-            quantizer = bank.get(layer, role)
-            original = quantizer.encode
 
-            def spy(x, original=original, key=(layer, role)):
-                assert x.shape[-1] == geometry.head_dim and x.shape[1] == geometry.n_kv_heads
-                seen.add(key)
-                return original(x)
+    def spy(quantizer, x, roundtrip=ops.roundtrip):
+        assert x.shape[-1] == geometry.head_dim and x.shape[1] == geometry.n_kv_heads
+        seen.add(sites[id(quantizer)])
+        return roundtrip(quantizer, x)
 
-            quantizer.encode = spy
+    monkeypatch.setattr(ops, "roundtrip", spy)
     ids = token_windows(lm.tokenizer, "shakespeare", 64, 1)
     with torch.no_grad(), quantized_kv(lm.model, bank, "cache") as kwargs:
         quantized = lm.model(input_ids=ids, **kwargs()).logits

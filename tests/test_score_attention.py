@@ -7,18 +7,25 @@ from conftest import loaded, requires_models
 from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
 from kvq.data import token_windows
 from kvq.quant import QuantSpec
+from kvq.quant.base import Quantizer
 
 pytestmark = [requires_models, pytest.mark.model]
 
 
-class DecodeOnly:
+class DecodeOnly(Quantizer):
     """The same QJL quantizer without the score path: keys reconstructed as k_hat = c |k| S^T sign(S k)."""
 
     def __init__(self, quantizer):
         self.quantizer = quantizer
 
-    def __call__(self, x):
-        return self.quantizer.decode(self.quantizer.encode(x))
+    def encode(self, x):
+        return self.quantizer.encode(x)
+
+    def decode(self, packed):
+        return self.quantizer.decode(packed)
+
+    def bits_per_element(self, d, n_tokens):
+        return self.quantizer.bits_per_element(d, n_tokens)
 
 
 def attention_outputs(lm, bank, ids, layers):

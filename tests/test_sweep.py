@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import requires_models, run_kvq
+from conftest import counting_fp_passes, requires_models, run_kvq
 
 from kvq.errors import KvqError
 from kvq.results import load, summarize
@@ -116,3 +116,18 @@ def test_plot_command(tmp_path):
     done = run_kvq("plot", str(runs / "smoke"), "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert (out / "dppl_vs_bits.png").exists() and (out / "dppl_vs_bits.pdf").exists()
+
+
+@requires_models
+def test_kl_metrics_take_their_reference_from_the_fp_baseline_pass(tmp_path, monkeypatch):
+    from kvq.sweep import run_sweep
+
+    spec = write(tmp_path, SMOKE.read_text() + "metrics: [ppl, kld]\n")
+    passes = counting_fp_passes(monkeypatch)
+    outcome = run_sweep(load_sweep(spec), tmp_path / "runs")
+    assert len(passes) == 1  # the baseline's pass, its log-probs kept as the reference
+    assert all(load(p)["kld"].notna().all() for p in outcome.paths)
+    for path in outcome.paths:
+        path.unlink()
+    run_sweep(load_sweep(spec), tmp_path / "runs")  # the baseline read from disk: the reference needs a pass
+    assert len(passes) == 2

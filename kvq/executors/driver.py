@@ -122,7 +122,7 @@ class _Schedule:
                                "driver's; the driver and every worker need the same kvq code, torch and "
                                "transformers")
         for path in group.baselines:
-            if self.force or read_json(self.book.directory / path) != result.baselines[path]:
+            if read_json(self.book.directory / path) != result.baselines[path]:  # new, or measured again
                 write_json_atomic(self.book.directory / path, result.baselines[path])
         for cell in batch.cells:
             write_json_atomic(self.book.cell_path(cell), result.records[cell.id])
