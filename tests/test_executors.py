@@ -143,6 +143,7 @@ def test_settings_from_the_spec_with_flags_over_them(tmp_path):
     ("executor: {name: ray, colour: red}\n", {}, "field 'executor.colour': unknown field"),
     ("", {"name": "ray", "retries": -1}, "--retries: expected a number >= 0, got -1"),
     ("", {"gpus": 1.0}, "--gpus: applies to the ray / slurm executor, not local"),
+    ("executor: {name: slurm, gpus: 0.5}\n", {}, "field 'executor.gpus': SLURM takes a whole number, got 0.5"),
 ])
 def test_bad_settings_name_the_field(tmp_path, executor, flags, message):
     with pytest.raises(KvqError, match=re.escape(message)):
@@ -150,9 +151,9 @@ def test_bad_settings_name_the_field(tmp_path, executor, flags, message):
 
 
 def test_cells_on_cpu_take_no_gpus():
-    with pytest.raises(KvqError, match="cells on cuda need gpus >= 1"):
+    with pytest.raises(KvqError, match="cells on cuda need gpus > 0"):
         sweep_device(ExecutorSettings(name="ray"), "cuda")
-    with pytest.raises(KvqError, match="cells on cuda need gpus >= 1"):
+    with pytest.raises(KvqError, match="cells on cuda need gpus > 0"):
         sweep_device(ExecutorSettings(name="ray", gpus=1), "cpu")
 
 

@@ -37,7 +37,7 @@ class ExecutorSettings:
     partition: str | None = None  # SLURM partition
     time: int = 60  # SLURM job limit, minutes
     cells_per_job: int = 1  # SLURM: cells measured one after another in each array job
-    cluster: str = "slurm"
+    cluster: str = "slurm"  # submitit's: "slurm", or "local" to run the jobs as processes on this machine
 
     @property
     def distributed(self) -> bool:
@@ -76,6 +76,9 @@ def executor_settings(spec_path: Path, flags: dict) -> ExecutorSettings:
     for key, (least, shown) in bounds.items():
         if key in values and getattr(settings, key) < least:
             fail(key, f"expected a number {shown}, got {getattr(settings, key)!r}")
+    for key in ("gpus", "cpus"):  # SLURM allocates whole devices and cores; Ray may share a GPU between cells
+        if settings.name == "slurm" and key in values and getattr(settings, key) != int(getattr(settings, key)):
+            fail(key, f"SLURM takes a whole number, got {getattr(settings, key)!r}")
     if "cluster" in values and settings.cluster not in SUBMITIT_CLUSTERS:
         fail("cluster", f"{settings.cluster!r} is not one of {', '.join(SUBMITIT_CLUSTERS)}")
     return settings
@@ -93,6 +96,6 @@ def sweep_device(settings: ExecutorSettings, device: str) -> str:
     if kind not in ("cpu", "cuda"):
         raise KvqError(f"--device {device}: the {settings.name} executor runs cells on cpu or cuda")
     if (kind == "cuda") != (settings.gpus > 0):
-        raise KvqError(f"--device {device} with executor.gpus {settings.gpus:g}: cells on cuda need gpus >= 1 "
+        raise KvqError(f"--device {device} with executor.gpus {settings.gpus:g}: cells on cuda need gpus > 0 "
                        "each, cells on cpu none")
     return kind
