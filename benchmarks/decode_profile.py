@@ -1,12 +1,14 @@
 """Where a compiled decode step's time goes: GPU kernel time per step against the step's length on the GPU
-timeline, for fp16 StaticCache + compile and kvq's static int4 cache, on `kvq bench decode`'s model.
+timeline, on `kvq bench decode`'s model, for its compiled rows.
 
-    python benchmarks/decode_profile.py [--prompt 32768] [--batch 1] [--new-tokens 16]
+    python benchmarks/decode_profile.py [--prompt 32768] [--batch 1] [--new-tokens 16] [--caches a,b]
 
-Each cache runs one untimed generate (compilation), then two generates under torch.profiler, of 4 and of
-4 + new-tokens tokens: their difference is new-tokens decode steps, the prefill cancelling. Busy is the sum of
-the GPU kernels' durations per step; a step longer than its busy time waited on the host or on gaps between
-kernels. The top kernels say which of them fill the busy time.
+A generate row runs one untimed generate (compilation), then two generates under torch.profiler, of 4 and of
+4 + new-tokens tokens: their difference is new-tokens decode steps, the prefill cancelling up to its own
+run-to-run variation. A step-loop row (`kvq.bench.greedy_step_loop`) runs once untimed, then again with the
+profiler started after its prefill and first steps (the GPU drained first), so its kernels are decode steps
+only. Busy is the sum of the GPU kernels' durations per step; a step longer than its busy time waited on the
+host or on gaps between kernels. The top kernels say which of them fill the busy time.
 """
 
 import argparse
@@ -15,7 +17,17 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvq.bench import DECODE_CACHES, decode_model, generate_run, llama3_8b_like
+from kvq.bench import (
+    DECODE_CACHES,
+    StepClock,
+    decode_model,
+    decode_routing,
+    decode_run,
+    greedy_step_loop,
+    llama3_8b_like,
+)
+
+WARM_STEPS = 4
 
 
 def kernel_times(trace) -> collections.Counter:
@@ -27,31 +39,58 @@ def kernel_times(trace) -> collections.Counter:
     return times
 
 
+def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int) -> tuple[float, dict]:
+    times, runs = [], []
+    for tokens in (WARM_STEPS, new_tokens + WARM_STEPS):
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            runs.append(decode_run(model, cache.loop, cache.setup(model, prompt.shape[0], max_tokens), prompt,
+                                   tokens))
+        times.append(kernel_times(trace))
+    steps = runs[1].steps_s[WARM_STEPS:]
+    return sum(steps) / len(steps), {name: (us - times[0][name]) / new_tokens for name, us in times[1].items()}
+
+
+def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int) -> tuple[float, dict]:
+    kv = cache.setup(model, prompt.shape[0], max_tokens)["past_key_values"]
+    trace = profile(activities=[ProfilerActivity.CUDA])
+    clock = StepClock(prompt.device)
+
+    def on_token():
+        if len(clock.marks) == WARM_STEPS:
+            torch.cuda.synchronize()
+            trace.start()
+        clock.tick()
+
+    with torch.no_grad(), decode_routing(model, kv):
+        greedy_step_loop(model, kv, prompt, WARM_STEPS + new_tokens + 1, on_token=on_token)
+    torch.cuda.synchronize()
+    trace.stop()
+    steps = clock.seconds()[1][WARM_STEPS:]
+    return sum(steps) / len(steps), {name: us / len(steps) for name, us in kernel_times(trace).items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompt", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--caches", default="fp16-static-compiled,kvq-int4-static-compiled")
+    parser.add_argument("--caches", default="fp16-static-compiled,kvq-int4-static-compiled,fp16-static-step,"
+                                            "kvq-int4-static-step")
     args = parser.parse_args()
     model = decode_model("cuda", llama3_8b_like())
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
-    max_tokens = args.prompt + args.new_tokens + 4
+    max_tokens = args.prompt + args.new_tokens + WARM_STEPS + 1
     chosen = [cache for cache in DECODE_CACHES if cache.name in args.caches.split(",")]
     for cache in chosen:
-        generate_run(model, cache.setup(model, args.batch, max_tokens), prompt, args.new_tokens + 4)
-        times, runs = [], []
-        for tokens in (4, args.new_tokens + 4):
-            with profile(activities=[ProfilerActivity.CUDA]) as trace:
-                runs.append(generate_run(model, cache.setup(model, args.batch, max_tokens), prompt, tokens))
-            times.append(kernel_times(trace))
-        per_step = {name: (us - times[0][name]) / args.new_tokens for name, us in times[1].items()}
-        steps = runs[1].steps_s[4:]
-        step_ms = 1e3 * sum(steps) / len(steps)
+        decode_run(model, cache.loop, cache.setup(model, args.batch, max_tokens), prompt,
+                   args.new_tokens + WARM_STEPS)
+        measure = step_loop_profile if cache.loop == "step" else generate_profile
+        step_s, per_step = measure(model, cache, prompt, args.new_tokens, max_tokens)
         busy_ms = sum(per_step.values()) / 1e3
-        print(f"\n{cache.label}: {step_ms:.2f} ms/step on the GPU timeline, {busy_ms:.2f} ms of it in kernels")
+        print(f"\n{cache.label}: {1e3 * step_s:.2f} ms/step on the GPU timeline, {busy_ms:.2f} ms of it in kernels")
         for name, us in sorted(per_step.items(), key=lambda item: -item[1])[:12]:
             print(f"  {us / 1e3:7.3f} ms/step  {name[:110]}")
+
 
 if __name__ == "__main__":
     main()

@@ -2,10 +2,12 @@
 
 kernels: the fused quantize kernel (ns/vector, GB/s, fraction of the device's HBM bandwidth) against
 the torch reference, and fused int4 decode attention (us/step) against SDPA on fp16 K/V and against
-dequantize-then-SDPA, at Llama-3-8B-like shapes. decode: HF generate ms/token with an fp16
-DynamicCache vs kvq's fused int4 cache on a random-init model of a real architecture config.
+dequantize-then-SDPA, at Llama-3-8B-like shapes. decode: ms/token of every decode path a user would pick
+(HF generate with fp16 dynamic and compiled static caches, kvq's caches, transformers' quantized caches, and a
+gpt-fast-style compiled step loop over the static caches) on a random-init model of a real architecture config.
 """
 
+import functools
 import gc
 import itertools
 import statistics
@@ -232,6 +234,7 @@ class DecodeCache:
     label: str
     precision: str  # "fp16" rows are what a user would otherwise run; the best of them is the yardstick
     setup: Callable[..., dict]
+    loop: str = "generate"  # "generate": HF generate; "step": greedy_step_loop, a compiled step per token
 
 
 def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
@@ -279,6 +282,14 @@ def _fp16_static_compiled(model, batch: int, max_tokens: int) -> dict:
     return {"cache_implementation": "static"}  # generate builds it and compiles the decode step
 
 
+def _fp16_static(model, batch: int, max_tokens: int) -> dict:
+    from transformers import StaticCache
+
+    if model.device.type != "cuda":
+        raise CacheUnavailable("the step loop compiles its decode step on CUDA only")
+    return {"past_key_values": StaticCache(config=model.config, max_cache_len=max_tokens)}
+
+
 DECODE_CACHES = (  # the first is the paired ratios' baseline
     DecodeCache("fp16-dynamic", "fp16 DynamicCache eager", "fp16", _fp16_dynamic),
     DecodeCache("fp16-static-compiled", "fp16 StaticCache compiled", "fp16", _fp16_static_compiled),
@@ -286,6 +297,8 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
     DecodeCache("kvq-int4-static-compiled", "kvq int4 static compiled", "int4", _kvq_int4_static),
     DecodeCache("quanto-int4", "transformers QuantizedCache quanto int4", "int4", _transformers_quantized("quanto")),
     DecodeCache("hqq-int4", "transformers QuantizedCache hqq int4", "int4", _transformers_quantized("hqq")),
+    DecodeCache("fp16-static-step", "fp16 StaticCache, compiled step loop", "fp16", _fp16_static, loop="step"),
+    DecodeCache("kvq-int4-static-step", "kvq int4 static, compiled step loop", "int4", _kvq_int4_static, loop="step"),
 )
 
 
@@ -329,7 +342,7 @@ def _fp16_kv_bytes(config, batch: int, tokens: int) -> int:
     return 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * tokens * batch * 2
 
 
-class _StepClock:
+class StepClock:
     """A logits processor that marks every generated token on the device's timeline (a CUDA event; the host
     clock off CUDA): the gaps are single decode steps, so ms/token is a median over steps and not a difference
     of two whole generate calls. Marking adds no host synchronisation, so a path whose host work overlaps the
@@ -350,8 +363,11 @@ class _StepClock:
     def begin(self) -> None:
         self.start = self._mark()
 
-    def __call__(self, input_ids, scores):
+    def tick(self) -> None:
         self.marks.append(self._mark())
+
+    def __call__(self, input_ids, scores):
+        self.tick()
         return scores
 
     def seconds(self) -> tuple[float, list[float]]:
@@ -371,26 +387,83 @@ class _Run:
     peak_bytes: int | None
 
 
-def generate_run(model, kwargs: dict, prompt: torch.Tensor, tokens: int, prefill_chunk: int | None = None) -> _Run:
-    """One greedy generate of `tokens` tokens with generate's keyword arguments `kwargs` (the cache), the prompt
-    prefilled in chunks of `prefill_chunk` tokens if given."""
-    from transformers import LogitsProcessorList
+def _greedy_step(model, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    # positions given both ways: transformers releases differ in which of the two they read
+    logits = model(input_ids=token, position_ids=position[None], cache_position=position, past_key_values=cache,
+                   use_cache=True).logits
+    return logits[:, -1].argmax(-1, keepdim=True)
 
+
+@functools.cache
+def _compiled_greedy_step():
+    # one graph per model, cache type and shape (no dynamic shapes: CUDA graphs need fixed ones)
+    return torch.compile(_greedy_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+
+# Graphs the step loop may hold: (compared caches) x (prompt lengths) x (batches) of one run; past dynamo's
+# default limit it would fall back to eager without saying so.
+STEP_GRAPHS = 64
+
+
+def greedy_step_loop(model, cache, prompt: torch.Tensor, tokens: int, prefill_chunk: int | None = None,
+                     on_token: Callable[[], None] | None = None, compiled: bool = True) -> torch.Tensor:
+    """Greedy decoding without generate's loop, as gpt-fast runs it: the prompt prefilled eagerly (in chunks of
+    `prefill_chunk` tokens if given) into `cache`, a static cache, then one compiled step per token (forward and
+    argmax, replayed as a CUDA graph) whose inputs stay on the device, so the host never waits for the GPU
+    and queues the next step while the current one runs. `on_token` is called as each token is queued.
+    Returns the (B, tokens) generated tokens. A prompt with padding is not supported (no attention mask)."""
+    length = prompt.shape[1]
+    chunk = prefill_chunk or length
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        positions = torch.arange(start, end, device=prompt.device)
+        logits = model(input_ids=prompt[:, start:end], position_ids=positions[None], cache_position=positions,
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    generated = [token]
+    if on_token:
+        on_token()
+    step = _compiled_greedy_step() if compiled else _greedy_step
+    position = torch.tensor([length], device=prompt.device)
+    with torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS, fail_on_recompile_limit_hit=True):
+        for _ in range(tokens - 1):
+            token = step(model, cache, token, position).clone()  # the graph's output buffer is reused
+            position += 1
+            generated.append(token)
+            if on_token:
+                on_token()
+    return torch.cat(generated, dim=1)
+
+
+def decode_routing(model, cache):
+    """The context a decode with `cache` runs in: kvq's fused attention for kvq's caches, else none."""
     from kvq.cache import QuantizedKVCache, fused_decoding
     from kvq.static_cache import StaticQuantizedCache
 
-    cache = kwargs.get("past_key_values")
     kvq_cache = isinstance(cache, (QuantizedKVCache, StaticQuantizedCache))
-    routing = fused_decoding(model, cache) if kvq_cache else nullcontext()
+    return fused_decoding(model, cache) if kvq_cache else nullcontext()
+
+
+def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int,
+               prefill_chunk: int | None = None) -> _Run:
+    """One greedy decode of `tokens` tokens through `loop` ("generate" or "step", see DecodeCache) with
+    generate's keyword arguments `kwargs` (the cache), the prompt prefilled in chunks of `prefill_chunk`
+    tokens if given."""
+    from transformers import LogitsProcessorList
+
+    cache = kwargs.get("past_key_values")
     cuda = prompt.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(prompt.device)
-    with torch.no_grad(), routing:
+    with torch.no_grad(), decode_routing(model, cache):
         _synchronize(prompt.device)
-        clock = _StepClock(prompt.device)
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
-                       min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
-                       prefill_chunk_size=prefill_chunk, **kwargs)
+        clock = StepClock(prompt.device)
+        if loop == "step":
+            greedy_step_loop(model, cache, prompt, tokens, prefill_chunk, on_token=clock.tick)
+        else:
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                           min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                           prefill_chunk_size=prefill_chunk, **kwargs)
     prefill_s, steps_s = clock.seconds()
     held = _held_bytes(cache if cache is not None else getattr(model, "_cache", None))
     peak = torch.cuda.max_memory_allocated(prompt.device) if cuda else None
@@ -421,7 +494,7 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
     skipped, ready = [], []
     for cache in caches:
         try:
-            generate_run(model, cache.setup(model, batch, max_tokens), prompt, new_tokens, prefill_chunk)
+            decode_run(model, cache.loop, cache.setup(model, batch, max_tokens), prompt, new_tokens, prefill_chunk)
             ready.append(cache)
         except CacheUnavailable as exc:
             skipped.append({**where, "cache": cache.label, "skipped": str(exc)})
@@ -434,8 +507,8 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
     try:
         for _ in range(repeats):
             for cache in ready:
-                runs[cache.label].append(generate_run(model, cache.setup(model, batch, max_tokens), prompt,
-                                                       new_tokens, prefill_chunk))
+                runs[cache.label].append(decode_run(model, cache.loop, cache.setup(model, batch, max_tokens),
+                                                     prompt, new_tokens, prefill_chunk))
     finally:
         if collecting:
             gc.enable()
@@ -499,7 +572,7 @@ def decode_model(device: str, config) -> torch.nn.Module:
 def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, config=None, repeats: int = 9,
                  batches=(1,), caches: tuple[DecodeCache, ...] = DECODE_CACHES,
                  prefill_chunk: int | None = None) -> dict:
-    """HF generate ms/token per cache at each prompt length and batch (see _decode_rows), on a random-weight
+    """ms/token per cache and decode loop at each prompt length and batch (see _decode_rows), on a random-weight
     fp16 Llama of `config` (Llama-3-8B's by default); every cache prefills in chunks of `prefill_chunk` tokens
     (generate's prefill_chunk_size) if given."""
     model = decode_model(device, config or llama3_8b_like())

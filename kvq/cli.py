@@ -437,7 +437,8 @@ def bench_decode(
     prompts: str = typer.Option("8192,32768,131072", help="prompt lengths"),
     batches: str = typer.Option("1,8", help="batch sizes; a row that does not fit says so"),
     caches: str = typer.Option("", help="comma-separated subset of: fp16-dynamic, fp16-static-compiled, kvq-int4, "
-                                        "kvq-int4-static-compiled, quanto-int4, hqq-int4 (default: all)"),
+                                        "kvq-int4-static-compiled, quanto-int4, hqq-int4, fp16-static-step, "
+                                        "kvq-int4-static-step (default: all)"),
     new_tokens: int = typer.Option(32),
     repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
     prefill_chunk: int = typer.Option(0, help="prefill every prompt in chunks of this many tokens "
@@ -446,8 +447,9 @@ def bench_decode(
     results: Path = typer.Option(Path("RESULTS.md")),
     device: str = device_option(),
 ):
-    """HF generate ms/token per cache (fp16 eager and compiled, kvq int4, transformers' quantized caches),
-    with each row's bandwidth floor (Llama-3-8B shapes, random weights)."""
+    """ms/token per cache (HF generate with fp16 eager and compiled, kvq int4, transformers' quantized caches; a
+    compiled step loop over the static caches), with each row's bandwidth floor (Llama-3-8B shapes, random
+    weights)."""
     from kvq import bench
 
     if new_tokens < 2:

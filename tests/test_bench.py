@@ -1,9 +1,15 @@
-"""`kvq bench decode` end to end on a tiny random Llama (CPU: the fused cache takes the reference path)."""
+"""`kvq bench decode` end to end on a tiny random Llama (CPU: the fused cache takes the reference path), and its
+step loop against generate."""
 
 import pytest
-from transformers import LlamaConfig
+import torch
+from conftest import DEVICES
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kvq import bench
+from kvq.apply import QuantizerBank, kv_geometry
+from kvq.quant import QuantSpec
+from kvq.static_cache import StaticQuantizedCache
 
 
 def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_run():
@@ -18,6 +24,8 @@ def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_r
         assert {"fp16 DynamicCache eager", "kvq fused int4 g32 eager"} <= set(timed)
         assert "CUDA only" in skipped["fp16 StaticCache compiled"]
         assert "CUDA only" in skipped["kvq int4 static compiled"]
+        assert "CUDA only" in skipped["fp16 StaticCache, compiled step loop"]
+        assert "CUDA only" in skipped["kvq int4 static, compiled step loop"]
         for row in timed.values():
             assert len(row["ms_per_token_runs"]) == 2
             assert min(row["ms_per_token_runs"]) <= row["ms_per_token"] <= max(row["ms_per_token_runs"])
@@ -49,3 +57,37 @@ def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_bes
 def test_unknown_decode_cache_is_an_error_naming_it():
     with pytest.raises(Exception, match="unknown decode cache 'fp8'"):
         bench.decode_caches(("kvq-int4", "fp8"))
+
+
+def _static_cache(kind: str, model, batch: int, max_tokens: int):
+    if kind == "fp16":
+        return StaticCache(config=model.config, max_cache_len=max_tokens)
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 16), kv_geometry(model.config))
+    return StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens, window=8).allocate(model, batch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["fp16", "kvq"])
+@pytest.mark.parametrize("chunk", [None, 10])
+def test_the_step_loop_decodes_generates_greedy_tokens(device, kind, chunk):
+    """greedy_step_loop (compiled, CUDA graphs, on CUDA; its plain step on CPU) against generate run eagerly with
+    the same kind of static cache: the same 48 tokens at batch 3, the prompt prefilled whole or in chunks."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=101)
+    model = LlamaForCausalLM(config).eval().to(device, torch.float16 if device == "cuda" else torch.float32)
+    prompt = torch.randint(1, 101, (3, 24), generator=torch.Generator().manual_seed(2)).to(device)
+    steps = 48
+    runs, marks = {}, []
+    for loop in ("generate", "step"):
+        cache = _static_cache(kind, model, 3, 24 + steps)
+        with torch.no_grad(), bench.decode_routing(model, cache):
+            if loop == "step":
+                runs[loop] = bench.greedy_step_loop(model, cache, prompt, steps, chunk, compiled=device == "cuda",
+                                                    on_token=lambda: marks.append(1))
+            else:
+                runs[loop] = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                                            max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                                            prefill_chunk_size=chunk, disable_compile=True)[:, 24:]
+    assert runs["step"].shape == (3, steps) and len(marks) == steps
+    assert torch.equal(runs["step"], runs["generate"])
