@@ -79,11 +79,11 @@ def measure_batch(spec: SweepSpec, batch: Batch, device: str, threads: int) -> B
         runner = _runner(spec, resolve_device(device))
         for relative, record in batch.baselines.items():
             write_json_atomic(runner.book.directory / relative, record)
-        records, baselines = {}, {}
-        for cell in batch.cells:
-            records[cell.id] = runner.measure(cell, force=batch.force)
-            for baseline in runner.book.baselines(cell).values():
-                baselines[baseline.path.relative_to(runner.book.directory).as_posix()] = read_baseline(baseline)
+        records = {cell.id: runner.measure(cell, force=batch.force) for cell in batch.cells}
+        # each baseline once, as the batch left it: the cells of a batch share their group's baselines
+        paired = {baseline.path: baseline for cell in batch.cells for baseline in runner.book.baselines(cell).values()}
+        baselines = {path.relative_to(runner.book.directory).as_posix(): read_baseline(baseline)
+                     for path, baseline in paired.items()}
         return BatchResult(records, baselines)
     except KvqError as exc:
         return BatchResult({}, {}, str(exc))
