@@ -237,6 +237,12 @@ class DecodeCache:
     loop: str = "generate"  # "generate": HF generate; "step": greedy_step_loop, a compiled step per token
 
 
+def _compiled_on_cuda(model) -> None:
+    """Static-cache rows compile their decode step (generate's or the step loop's), which is timed on CUDA only."""
+    if model.device.type != "cuda":
+        raise CacheUnavailable("a static cache's decode step is compiled on CUDA only")
+
+
 def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
     from kvq.apply import QuantizerBank, kv_geometry
     from kvq.cache import QuantizedKVCache
@@ -251,8 +257,7 @@ def _kvq_int4_static(model, batch: int, max_tokens: int) -> dict:
     from kvq.quant import QuantSpec
     from kvq.static_cache import StaticQuantizedCache
 
-    if model.device.type != "cuda":
-        raise CacheUnavailable("generate compiles a static cache's decode step on CUDA only")
+    _compiled_on_cuda(model)
     bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(model.config))
     cache = StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens).allocate(model, batch)
     return {"past_key_values": cache}
@@ -277,16 +282,14 @@ def _fp16_dynamic(model, batch: int, max_tokens: int) -> dict:
 
 
 def _fp16_static_compiled(model, batch: int, max_tokens: int) -> dict:
-    if model.device.type != "cuda":
-        raise CacheUnavailable("generate compiles a static cache's decode step on CUDA only")
+    _compiled_on_cuda(model)
     return {"cache_implementation": "static"}  # generate builds it and compiles the decode step
 
 
 def _fp16_static(model, batch: int, max_tokens: int) -> dict:
     from transformers import StaticCache
 
-    if model.device.type != "cuda":
-        raise CacheUnavailable("the step loop compiles its decode step on CUDA only")
+    _compiled_on_cuda(model)
     return {"past_key_values": StaticCache(config=model.config, max_cache_len=max_tokens)}
 
 
