@@ -71,10 +71,13 @@ def _static_cache(kind: str, model, batch: int, max_tokens: int):
 @pytest.mark.parametrize("chunk", [None, 10])
 def test_the_step_loop_decodes_generates_greedy_tokens(device, kind, chunk):
     """greedy_step_loop (compiled, CUDA graphs, on CUDA; its plain step on CPU) against generate run eagerly with
-    the same kind of static cache: the same 48 tokens at batch 3, the prompt prefilled whole or in chunks."""
+    the same kind of static cache: the same 48 tokens at batch 3, the prompt prefilled whole or in chunks. Weights
+    drawn wide enough that a step one position off changes tokens; no EOS token, which the loop does not treat
+    apart and generate would suppress until min_new_tokens."""
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, vocab_size=101)
+                         num_key_value_heads=2, head_dim=32, vocab_size=101, initializer_range=0.2,
+                         eos_token_id=None)
     model = LlamaForCausalLM(config).eval().to(device, torch.float16 if device == "cuda" else torch.float32)
     prompt = torch.randint(1, 101, (3, 24), generator=torch.Generator().manual_seed(2)).to(device)
     steps = 48
@@ -87,7 +90,7 @@ def test_the_step_loop_decodes_generates_greedy_tokens(device, kind, chunk):
                                                     on_token=lambda: marks.append(1))
             else:
                 runs[loop] = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                                            max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                            prefill_chunk_size=chunk, disable_compile=True)[:, 24:]
+                                            max_new_tokens=steps, do_sample=False, prefill_chunk_size=chunk,
+                                            disable_compile=True)[:, 24:]
     assert runs["step"].shape == (3, steps) and len(marks) == steps
     assert torch.equal(runs["step"], runs["generate"])
