@@ -346,10 +346,11 @@ def _fp16_kv_bytes(config, batch: int, tokens: int) -> int:
 
 
 class StepClock:
-    """A logits processor that marks every generated token on the device's timeline (a CUDA event; the host
-    clock off CUDA): the gaps are single decode steps, so ms/token is a median over steps and not a difference
-    of two whole generate calls. Marking adds no host synchronisation, so a path whose host work overlaps the
-    GPU's (generate's compiled step) is timed as it runs for a user."""
+    """Marks every generated token on the device's timeline (a CUDA event; the host clock off CUDA), as
+    generate's logits processor or through `tick` from the step loop: the gaps are single decode steps, so
+    ms/token is a median over steps and not a difference of two whole decode calls. Marking adds no host
+    synchronisation, so a path whose host work overlaps the GPU's (a compiled step) is timed as it runs for a
+    user."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
