@@ -398,10 +398,16 @@ def _greedy_step(model, cache, token: torch.Tensor, position: torch.Tensor) -> t
     return logits[:, -1].argmax(-1, keepdim=True)
 
 
+# gpt-fast's compile settings: a CUDA graph per step ("reduce-overhead") and coordinate-descent tuning, under
+# which inductor turns one-row matmuls (batch-1 decode's weight GEMVs) into reductions it tunes to the memory
+# bandwidth, where cuBLAS's split-K GEMVs fall short of it.
+STEP_COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+
+
 @functools.cache
 def _compiled_greedy_step():
     # one graph per model, cache type and shape (no dynamic shapes: CUDA graphs need fixed ones)
-    return torch.compile(_greedy_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return torch.compile(_greedy_step, options=STEP_COMPILE_OPTIONS, fullgraph=True, dynamic=False)
 
 
 # Graphs the step loop may hold: (compared caches) x (prompt lengths) x (batches) of one run; past dynamo's
