@@ -421,7 +421,9 @@ def greedy_step_loop(model, cache, prompt: torch.Tensor, tokens: int, prefill_ch
     `prefill_chunk` tokens if given) into `cache`, a static cache, then one compiled step per token (forward and
     argmax, replayed as a CUDA graph) whose inputs stay on the device, so the host never waits for the GPU
     and queues the next step while the current one runs. `on_token` is called as each token is queued.
-    Returns the (B, tokens) generated tokens. A prompt with padding is not supported (no attention mask)."""
+    Returns the (B, tokens) generated tokens. A prompt with padding is not supported (no attention mask).
+    The step's CUDA graph is recorded over the cache's buffers: decode prompt after prompt with one cache,
+    `cache.reset()` between them, since each fresh cache makes the step record (and keep) another graph."""
     length = prompt.shape[1]
     chunk = prefill_chunk or length
     for start in range(0, length, chunk):
