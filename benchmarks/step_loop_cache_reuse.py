@@ -13,24 +13,14 @@ import statistics
 
 import torch
 from torch._dynamo.utils import counters
-from transformers import LlamaConfig, StaticCache
+from transformers import LlamaConfig
 
 from kvq import bench
-from kvq.apply import QuantizerBank, kv_geometry
-from kvq.quant import QuantSpec
-from kvq.static_cache import StaticQuantizedCache
 
 
 def small_llama() -> LlamaConfig:
     return LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                        num_key_value_heads=4, head_dim=64, vocab_size=32000)
-
-
-def new_cache(kind: str, model, max_tokens: int):
-    if kind == "fp16":
-        return StaticCache(config=model.config, max_cache_len=max_tokens)
-    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(model.config))
-    return StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens).allocate(model, 1)
 
 
 def main() -> None:
@@ -44,19 +34,19 @@ def main() -> None:
     max_tokens = args.prompt + args.new_tokens
     print("| cache | between prompts | prompt | first step ms | median step ms | graphs recorded |")
     print("|---|---|---|---|---|---|")
-    for kind in ("fp16", "kvq int4"):
+    for row in bench.decode_caches(("fp16-static-step", "kvq-int4-static-step")):
         for reuse in (False, True):
-            cache = new_cache(kind, model, max_tokens)
+            cache = row.setup(model, 1, max_tokens)["past_key_values"]
             for index in range(args.prompts):
                 if reuse:
                     cache.reset()
                 elif index:
-                    cache = new_cache(kind, model, max_tokens)
+                    cache = row.setup(model, 1, max_tokens)["past_key_values"]
                 clock = bench.StepClock(prompt.device)
                 with torch.no_grad(), bench.decode_routing(model, cache):
                     bench.greedy_step_loop(model, cache, prompt, args.new_tokens, on_token=clock.tick)
                 steps = clock.seconds()[1]
-                print(f"| {kind} | {'reset' if reuse else 'fresh cache'} | {index + 1} | {steps[0] * 1e3:.2f} | "
+                print(f"| {row.label} | {'reset' if reuse else 'fresh cache'} | {index + 1} | {steps[0] * 1e3:.2f} | "
                       f"{statistics.median(steps) * 1e3:.2f} | "
                       f"{counters['inductor']['cudagraph_recorded_non_static_inputs']} |", flush=True)
 

@@ -160,30 +160,34 @@ def test_the_compiled_step_picks_the_plain_steps_token_from_the_same_cache(kind)
     assert compared >= 0.75 * 3 * steps  # the margin leaves most tokens compared
 
 
+def _graphs_recorded() -> int:
+    """CUDA graphs inductor has recorded in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_recorded_non_static_inputs"]
+
+
 @pytest.mark.parametrize(("device", "compiled"), [("cpu", False), pytest.param("cuda", True, marks=GPU)])
 @pytest.mark.parametrize("kind", ["fp16", "kvq"])
 def test_a_cache_reused_through_reset_decodes_each_prompt_as_a_fresh_cache_does(device, compiled, kind):
     """The step loop over one cache reset between prompts gives each prompt the tokens a fresh cache gives it
     (nothing the last prompt wrote leaks into the next), and under the compiled step the reset cache replays
     the CUDA graph its first prompt recorded, where a fresh cache makes the step record another."""
-    from torch._dynamo.utils import counters
-
     model, first = _wide_model(device)
     prompts = (first, torch.randint(1, 101, first.shape, generator=torch.Generator().manual_seed(3)).to(device))
-    recordings = lambda: counters["inductor"]["cudagraph_recorded_non_static_inputs"]  # noqa: E731
-    with torch.no_grad():
-        def decode(cache, prompt):
-            with bench.decode_routing(model, cache):
-                return bench.greedy_step_loop(model, cache, prompt, 24, compiled=compiled)
 
-        fresh = [decode(_static_cache(kind, model, 3, 48), prompt) for prompt in prompts]
-        cache = _static_cache(kind, model, 3, 48)
-        reused, recorded = [], []
-        for prompt in prompts:
-            cache.reset()
-            before = recordings()
-            reused.append(decode(cache, prompt))
-            recorded.append(recordings() - before)
+    def decode(cache, prompt):
+        with torch.no_grad(), bench.decode_routing(model, cache):
+            return bench.greedy_step_loop(model, cache, prompt, 24, compiled=compiled)
+
+    fresh = [decode(_static_cache(kind, model, 3, 48), prompt) for prompt in prompts]
+    cache = _static_cache(kind, model, 3, 48)
+    reused, recorded = [], []
+    for prompt in prompts:
+        cache.reset()
+        before = _graphs_recorded()
+        reused.append(decode(cache, prompt))
+        recorded.append(_graphs_recorded() - before)
     assert not torch.equal(fresh[0], fresh[1])
     for got, want in zip(reused, fresh, strict=True):
         assert torch.equal(got, want)
