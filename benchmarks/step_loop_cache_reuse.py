@@ -12,7 +12,6 @@ import argparse
 import statistics
 
 import torch
-from torch._dynamo.utils import counters
 from transformers import LlamaConfig
 
 from kvq import bench
@@ -48,7 +47,7 @@ def main() -> None:
                 steps = clock.seconds()[1]
                 print(f"| {row.label} | {'reset' if reuse else 'fresh cache'} | {index + 1} | {steps[0] * 1e3:.2f} | "
                       f"{statistics.median(steps) * 1e3:.2f} | "
-                      f"{counters['inductor']['cudagraph_recorded_non_static_inputs']} |", flush=True)
+                      f"{bench.graphs_recorded()} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -447,6 +447,14 @@ def greedy_step_loop(model, cache, prompt: torch.Tensor, tokens: int, prefill_ch
     return torch.cat(generated, dim=1)
 
 
+def graphs_recorded() -> int:
+    """CUDA graphs inductor has recorded in this process (a compiled step records one per new set of cache
+    buffers)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_recorded_non_static_inputs"]
+
+
 def decode_routing(model, cache):
     """The context a decode with `cache` runs in: kvq's fused attention for kvq's caches, else none."""
     from kvq.cache import QuantizedKVCache, fused_decoding

@@ -134,15 +134,13 @@ def test_the_compiled_step_picks_the_plain_steps_token_from_the_same_cache(kind)
     model, prompt = _wide_model("cuda")
     steps, margin = 47, 0.1
     plain, graphed = (_static_cache(kind, model, 3, 24 + steps + 1) for _ in range(2))
-    positions = torch.arange(24, device="cuda")
     # as in the loop: past its graph limit dynamo would fall back to the plain step without saying so
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=bench.STEP_GRAPHS,
                                                      fail_on_recompile_limit_hit=True):
-        for cache in (plain, graphed):
+        for cache in (plain, graphed):  # the loop's prefill alone: its first token, no step
             with bench.decode_routing(model, cache):
-                logits = model(input_ids=prompt, position_ids=positions[None], cache_position=positions,
-                               past_key_values=cache, use_cache=True).logits
-        token, compared = logits[:, -1].argmax(-1, keepdim=True), 0
+                token = bench.greedy_step_loop(model, cache, prompt, 1, compiled=False)
+        compared = 0
         for step in range(steps):
             position = torch.tensor([24 + step], device="cuda")
             for source, target in zip(_cache_state(plain), _cache_state(graphed), strict=True):
@@ -158,13 +156,6 @@ def test_the_compiled_step_picks_the_plain_steps_token_from_the_same_cache(kind)
             compared += int(clear.sum())
             token = logits.argmax(-1, keepdim=True)
     assert compared >= 0.75 * 3 * steps  # the margin leaves most tokens compared
-
-
-def _graphs_recorded() -> int:
-    """CUDA graphs inductor has recorded in this process."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["cudagraph_recorded_non_static_inputs"]
 
 
 @pytest.mark.parametrize(("device", "compiled"), [("cpu", False), pytest.param("cuda", True, marks=GPU)])
@@ -185,9 +176,9 @@ def test_a_cache_reused_through_reset_decodes_each_prompt_as_a_fresh_cache_does(
     reused, recorded = [], []
     for prompt in prompts:
         cache.reset()
-        before = _graphs_recorded()
+        before = bench.graphs_recorded()
         reused.append(decode(cache, prompt))
-        recorded.append(_graphs_recorded() - before)
+        recorded.append(bench.graphs_recorded() - before)
     assert not torch.equal(fresh[0], fresh[1])
     for got, want in zip(reused, fresh, strict=True):
         assert torch.equal(got, want)
