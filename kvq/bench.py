@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kvq import kernels, ops
 from kvq.errors import KvqError
+from kvq.gqa_attention import GQA_SDPA_ATTENTION, gqa_sdpa
 from kvq.kernels.decode_attention import DecodeStep, PackedKV, decode_attention, packed_read_bytes
 from kvq.quant.packing import pack
 from kvq.quant.rotated import RotatedQuantizer
@@ -235,6 +236,7 @@ class DecodeCache:
     precision: str  # "fp16" rows are what a user would otherwise run; the best of them is the yardstick
     setup: Callable[..., dict]
     loop: str = "generate"  # "generate": HF generate; "step": greedy_step_loop, a compiled step per token
+    attention: str | None = None  # an attention implementation the row runs under (None: the model's own)
 
 
 def _compiled_on_cuda(model) -> None:
@@ -302,6 +304,12 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
     DecodeCache("hqq-int4", "transformers QuantizedCache hqq int4", "int4", _transformers_quantized("hqq")),
     DecodeCache("fp16-static-step", "fp16 StaticCache, compiled step loop", "fp16", _fp16_static, loop="step"),
     DecodeCache("kvq-int4-static-step", "kvq int4 static, compiled step loop", "int4", _kvq_int4_static, loop="step"),
+    # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
+    # static cache's mask, see kvq.gqa_attention).
+    DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",
+                _fp16_static_compiled, attention=GQA_SDPA_ATTENTION),
+    DecodeCache("fp16-gqa-static-step", "fp16 StaticCache, SDPA enable_gqa, compiled step loop", "fp16", _fp16_static,
+                loop="step", attention=GQA_SDPA_ATTENTION),
 )
 
 
@@ -455,27 +463,33 @@ def graphs_recorded() -> int:
     return counters["inductor"]["cudagraph_recorded_non_static_inputs"]
 
 
-def decode_routing(model, cache):
-    """The context a decode with `cache` runs in: kvq's fused attention for kvq's caches, else none."""
+def decode_routing(model, cache, attention: str | None = None):
+    """The context a decode with `cache` runs in: kvq's fused attention for kvq's caches, else the attention
+    implementation named (only kvq.gqa_attention's is known), else none."""
     from kvq.cache import QuantizedKVCache, fused_decoding
     from kvq.static_cache import StaticQuantizedCache
 
-    kvq_cache = isinstance(cache, (QuantizedKVCache, StaticQuantizedCache))
-    return fused_decoding(model, cache) if kvq_cache else nullcontext()
+    if isinstance(cache, (QuantizedKVCache, StaticQuantizedCache)):
+        return fused_decoding(model, cache)
+    if attention == GQA_SDPA_ATTENTION:
+        return gqa_sdpa(model)
+    if attention is not None:
+        raise KvqError(f"unknown decode attention {attention!r}; known: {GQA_SDPA_ATTENTION}")
+    return nullcontext()
 
 
 def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int,
-               prefill_chunk: int | None = None) -> _Run:
+               prefill_chunk: int | None = None, attention: str | None = None) -> _Run:
     """One greedy decode of `tokens` tokens through `loop` ("generate" or "step", see DecodeCache) with
     generate's keyword arguments `kwargs` (the cache), the prompt prefilled in chunks of `prefill_chunk`
-    tokens if given."""
+    tokens if given, under the attention implementation `attention` if named (see decode_routing)."""
     from transformers import LogitsProcessorList
 
     cache = kwargs.get("past_key_values")
     cuda = prompt.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(prompt.device)
-    with torch.no_grad(), decode_routing(model, cache):
+    with torch.no_grad(), decode_routing(model, cache, attention):
         _synchronize(prompt.device)
         clock = StepClock(prompt.device)
         if loop == "step":
@@ -514,7 +528,8 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
     skipped, ready = [], []
     for cache in caches:
         try:
-            decode_run(model, cache.loop, cache.setup(model, batch, max_tokens), prompt, new_tokens, prefill_chunk)
+            decode_run(model, cache.loop, cache.setup(model, batch, max_tokens), prompt, new_tokens, prefill_chunk,
+                       cache.attention)
             ready.append(cache)
         except CacheUnavailable as exc:
             skipped.append({**where, "cache": cache.label, "skipped": str(exc)})
@@ -528,7 +543,7 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
         for _ in range(repeats):
             for cache in ready:
                 runs[cache.label].append(decode_run(model, cache.loop, cache.setup(model, batch, max_tokens),
-                                                     prompt, new_tokens, prefill_chunk))
+                                                     prompt, new_tokens, prefill_chunk, cache.attention))
     finally:
         if collecting:
             gc.enable()
@@ -564,20 +579,30 @@ def _weight_read_bytes(model) -> int:
 
 def _with_floors(rows: list[dict], weight_bytes: int, bandwidth: float | None) -> list[dict]:
     """Each row's bandwidth floor (weights + K/V read per step at the measured copy rate), its time's ratio
-    to that floor, and its speed against the fastest fp16 row of the same prompt and batch."""
+    to that floor, its speed against the fastest fp16 row of the same prompt and batch, and how much of the
+    bytes-ideal speedup (that fp16 row's floor over this row's: what the bytes alone allow) the speed reaches."""
+
+    def floor_ms(row: dict) -> float | None:
+        return (weight_bytes + row["kv_read_bytes"]) / bandwidth * 1e3 if bandwidth and row["kv_read_bytes"] else None
+
     best_fp16 = {}
     for row in rows:
         if row.get("precision") == "fp16":
             key = (row["prompt"], row["batch"])
-            best_fp16[key] = min(best_fp16.get(key, float("inf")), row["ms_per_token"])
+            if key not in best_fp16 or row["ms_per_token"] < best_fp16[key]["ms_per_token"]:
+                best_fp16[key] = row
     for row in rows:
         if "skipped" in row:
             continue
-        floor = (weight_bytes + row["kv_read_bytes"]) / bandwidth * 1e3 if bandwidth and row["kv_read_bytes"] else None
+        floor = floor_ms(row)
         row["floor_ms"] = floor
         row["ratio_to_floor"] = row["ms_per_token"] / floor if floor else None
         best = best_fp16.get((row["prompt"], row["batch"]))
-        row["speedup_vs_best_fp16"] = best / row["ms_per_token"] if best else None
+        row["speedup_vs_best_fp16"] = best["ms_per_token"] / row["ms_per_token"] if best else None
+        best_floor = floor_ms(best) if best else None
+        row["bytes_ideal_speedup"] = best_floor / floor if best_floor and floor else None
+        row["fraction_of_bytes_ideal"] = (row["speedup_vs_best_fp16"] / row["bytes_ideal_speedup"]
+                                          if row["bytes_ideal_speedup"] else None)
     return rows
 
 
@@ -648,17 +673,21 @@ def decode_table(result: dict) -> str:
     rows = []
     for r in result["rows"]:
         if "skipped" in r:
-            rows.append([str(r["prompt"]), str(r["batch"]), r["cache"], "skipped: " + r["skipped"]] + ["-"] * 8)
+            rows.append([str(r["prompt"]), str(r["batch"]), r["cache"], "skipped: " + r["skipped"]] + ["-"] * 10)
             continue
         rows.append([str(r["prompt"]), str(r["batch"]), r["cache"], _fmt(r["ms_per_token"], 2),
                      _fmt(r["ms_per_token_mean"], 2), _fmt(r["paired_ratio_to_first"], 3),
                      _fmt(r["speedup_vs_best_fp16"], 2) + "x" if r["speedup_vs_best_fp16"] else "-",
+                     _fmt(r.get("bytes_ideal_speedup"), 2) + "x" if r.get("bytes_ideal_speedup") else "-",
+                     _fmt(r.get("fraction_of_bytes_ideal"), 2),
                      _fmt(r["floor_ms"], 2), _fmt(r["ratio_to_floor"], 2), _fmt(r["prefill_s"], 2),
                      _fmt(r["cache_bytes"] / mib if r["cache_bytes"] is not None else None),
                      _fmt(r["peak_bytes"] / mib if r["peak_bytes"] is not None else None)])
     copy = result.get("copy_bandwidth_Bps")
     floor = ("Floor: (weights read per step + the K/V the cache holds) / the measured device copy rate "
-             f"({copy / 1e12:.2f} TB/s)." if copy else "No bandwidth floor off CUDA.")
+             f"({copy / 1e12:.2f} TB/s). Bytes-ideal: the fastest fp16 row's floor over the row's floor; 'of ideal': "
+             "the speed vs that row as a fraction of it." if copy else "No bandwidth floor off CUDA.")
     return floor + "\n\n" + markdown_table(
         ["prompt", "batch", "cache", "ms/token (median)", "ms/token (mean)", "time vs first row, paired (median)",
-         "speed vs best fp16", "floor ms", "x floor", "prefill s", "cache MiB", "peak MiB"], rows)
+         "speed vs best fp16", "bytes-ideal", "of ideal", "floor ms", "x floor", "prefill s", "cache MiB",
+         "peak MiB"], rows)
