@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kvq import bench
 from kvq.apply import QuantizerBank, kv_geometry
+from kvq.gqa_attention import GQA_SDPA_ATTENTION
 from kvq.quant import QuantSpec
 from kvq.static_cache import StaticQuantizedCache, StaticQuantizedLayer
 
@@ -26,6 +27,8 @@ def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_r
         assert "CUDA only" in skipped["kvq int4 static compiled"]
         assert "CUDA only" in skipped["fp16 StaticCache, compiled step loop"]
         assert "CUDA only" in skipped["kvq int4 static, compiled step loop"]
+        assert "CUDA only" in skipped["fp16 StaticCache compiled, SDPA enable_gqa"]
+        assert "CUDA only" in skipped["fp16 StaticCache, SDPA enable_gqa, compiled step loop"]
         for row in timed.values():
             assert len(row["ms_per_token_runs"]) == 2
             assert min(row["ms_per_token_runs"]) <= row["ms_per_token"] <= max(row["ms_per_token_runs"])
@@ -51,6 +54,9 @@ def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_bes
     assert a["floor_ms"] == pytest.approx(4.0) and c["floor_ms"] == pytest.approx(3.25)
     assert a["ratio_to_floor"] == pytest.approx(1.0) and c["ratio_to_floor"] == pytest.approx(1 / 3.25)
     assert [r["speedup_vs_best_fp16"] for r in (a, b, c)] == pytest.approx([0.5, 1.0, 2.0])
+    # the bytes allow c 4/3.25 of the fastest fp16 row's speed; it runs at 2x, so above its ideal
+    assert [r["bytes_ideal_speedup"] for r in (a, b, c)] == pytest.approx([1.0, 1.0, 4 / 3.25])
+    assert c["fraction_of_bytes_ideal"] == pytest.approx(2.0 / (4 / 3.25))
     assert "floor_ms" not in d
 
 
@@ -60,7 +66,7 @@ def test_unknown_decode_cache_is_an_error_naming_it():
 
 
 def _static_cache(kind: str, model, batch: int, max_tokens: int):
-    if kind == "fp16":
+    if kind in ("fp16", "fp16-gqa"):
         return StaticCache(config=model.config, max_cache_len=max_tokens)
     bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 16), kv_geometry(model.config))
     return StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens, window=8).allocate(model, batch)
@@ -83,23 +89,30 @@ GPU = [requires_cuda, pytest.mark.gpu]
 # difference between compiled and eager kernels flips a key's code now and then, and later steps attend to it,
 # so on this wide-weight model the two decodes drift apart with no fault in either (the compiled step is
 # checked step by step instead, below).
+# "fp16-gqa": the fp16 static cache under kvq.gqa_attention's SDPA, against generate under transformers' sdpa.
 STEP_LOOPS = [pytest.param("cpu", "fp16", False), pytest.param("cpu", "kvq", False),
+              pytest.param("cpu", "fp16-gqa", False),
               pytest.param("cuda", "fp16", False, marks=GPU), pytest.param("cuda", "kvq", False, marks=GPU),
-              pytest.param("cuda", "fp16", True, marks=GPU)]
+              pytest.param("cuda", "fp16", True, marks=GPU), pytest.param("cuda", "fp16-gqa", True, marks=GPU)]
+
+
+def _attention(kind: str) -> str | None:
+    return GQA_SDPA_ATTENTION if kind == "fp16-gqa" else None
 
 
 @pytest.mark.parametrize(("device", "kind", "compiled"), STEP_LOOPS)
 @pytest.mark.parametrize("chunk", [None, 10])
 def test_the_step_loop_decodes_generates_greedy_tokens(device, kind, compiled, chunk):
     """greedy_step_loop (its plain step, or the compiled one replayed as a CUDA graph) against generate run
-    eagerly with the same kind of static cache: the same 48 tokens at batch 3, the prompt prefilled whole or in
-    chunks."""
+    eagerly with the same kind of static cache and the model's own attention: the same 48 tokens at batch 3, the
+    prompt prefilled whole or in chunks."""
     model, prompt = _wide_model(device)
     steps = 48
     runs, marks = {}, []
     for loop in ("generate", "step"):
         cache = _static_cache(kind, model, 3, 24 + steps)
-        with torch.no_grad(), bench.decode_routing(model, cache):
+        attention = _attention(kind) if loop == "step" else None
+        with torch.no_grad(), bench.decode_routing(model, cache, attention):
             if loop == "step":
                 runs[loop] = bench.greedy_step_loop(model, cache, prompt, steps, chunk, compiled=compiled,
                                                     on_token=lambda: marks.append(1))
@@ -171,7 +184,10 @@ def test_a_cache_reused_through_reset_decodes_each_prompt_as_a_fresh_cache_does(
         with torch.no_grad(), bench.decode_routing(model, cache):
             return bench.greedy_step_loop(model, cache, prompt, 24, compiled=compiled)
 
-    fresh = [decode(_static_cache(kind, model, 3, 48), prompt) for prompt in prompts]
+    # The fresh caches stay alive while the reused one is allocated: a freed one's device addresses could be
+    # handed to it, and the compiled step would then replay that cache's graph instead of recording one.
+    fresh_caches = [_static_cache(kind, model, 3, 48) for _ in prompts]
+    fresh = [decode(fresh_cache, prompt) for fresh_cache, prompt in zip(fresh_caches, prompts, strict=True)]
     cache = _static_cache(kind, model, 3, 48)
     reused, recorded = [], []
     for prompt in prompts:
