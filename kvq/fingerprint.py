@@ -1,34 +1,40 @@
 """Digests of what a measured number depends on beyond its config, and of records themselves.
 
-- `code_version`: the kvq sources on the measuring path (every module but the ones that only parse,
-  print, plot or store) and the kernel sources, read as code: comments, docstrings and layout are left
-  out, so rewording a comment keeps results current while any change to what runs makes them stale. A
-  new module is on the path until listed here as presentation, so an unlisted change can only make
-  results stale, never silently current.
+- `code_version`: the kvq sources a cell's measurement runs, read as code: the shared measuring path (the
+  modules the cell runner imports, every kernel source, and any module nothing reaches statically), plus the
+  modules of the cell's own quantizers and what they import. Comments, docstrings and layout are left out, so
+  rewording a comment keeps results current, while any change to what runs makes the cells that run it
+  stale, and only those: an edit to `kvq/quant/qjl.py` stales QJL's cells. A new module is shared until it
+  is listed here as presentation or reached only from a quantizer's module, so an unlisted change can only
+  make results stale, never silently current.
 - `corpus_digest`: the text of a corpus, so an edited corpus file is a different baseline.
 - `file_digest`: a calibration artifact's bytes.
 - `record_digest`: a JSON record's content, so a record edited by hand no longer verifies.
 """
 
+import ast
 import hashlib
-import io
 import json
 import re
-import tokenize
+import sys
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
 from kvq.provenance import PACKAGE_DIR, versions
 
-# Modules that cannot change a cell's number: they parse specs, print, plot, lock or store, time kernels or
-# serve only kvq bench's rows (kvq bench reports speed, never a cell), or hand cells to workers (every executor
-# measures a cell with kvq.sweep's CellRunner, which is on the path).
+# Modules that cannot change a cell's number: they parse specs, print, plot, lock, store or judge records, time
+# kernels or serve only kvq bench's rows (kvq bench reports speed, never a cell), or hand cells to workers (every
+# executor measures a cell with kvq.sweep's CellRunner, which is on the path).
 PRESENTATION_MODULES = frozenset({
     "__main__.py", "bench.py", "cli.py", "errors.py", "fingerprint.py", "gqa_attention.py", "ledger.py",
-    "locks.py", "plot.py", "provenance.py", "report.py", "results.py", "store.py", "yamlspec.py",
+    "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py", "store.py", "yamlspec.py",
     "executors/__init__.py", "executors/driver.py", "executors/ray_backend.py", "executors/settings.py",
     "executors/slurm_backend.py", "executors/worker.py",
 })
+# What measures every cell, whichever executor runs it.
+MEASURING_ENTRY = "sweep.py"
+KERNEL_SOURCES = PACKAGE_DIR / "kernels" / "csrc"
 DIGEST_CHARS = 16
 
 
@@ -40,33 +46,107 @@ def _sha(*chunks: bytes) -> str:
     return h.hexdigest()[:DIGEST_CHARS]
 
 
-def _measuring_files() -> list[Path]:
-    files = [p for p in PACKAGE_DIR.rglob("*.py")
-             if p.relative_to(PACKAGE_DIR).as_posix() not in PRESENTATION_MODULES]
-    files += [p for p in (PACKAGE_DIR / "kernels" / "csrc").rglob("*") if p.is_file()]
-    return sorted(files)
+def _relative(path: Path) -> str:
+    return path.relative_to(PACKAGE_DIR).as_posix()
 
 
-# A string statement after these tokens (or first in the file) is a docstring or another no-op.
-_STATEMENT_START = frozenset({tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING})
-_LAYOUT = frozenset({tokenize.COMMENT, tokenize.NL})
-# C-family comments, matched beside string and character literals so that a "//" inside one stays.
-_C_COMMENT_OR_LITERAL = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+def _module_files(dotted: str) -> list[Path]:
+    """The files importing `dotted` (a kvq module, or a name in one) runs: each package's __init__ on the way
+    and the module itself; none for a name that is not a module."""
+    files, here = [], PACKAGE_DIR.parent
+    for part in dotted.split("."):
+        here = here / part
+        if (here / "__init__.py").is_file():
+            files.append(here / "__init__.py")
+        elif here.with_suffix(".py").is_file():
+            files.append(here.with_suffix(".py"))
+            break
+        else:
+            break
+    return files
+
+
+@cache
+def _imports(path: Path) -> frozenset[Path]:
+    """The kvq modules a source imports anywhere in it (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] == PACKAGE_DIR.name:
+                found.update(_module_files(name))
+    return frozenset(found)
+
+
+def _reach(starts: Iterable[Path]) -> set[Path]:
+    """The measuring modules `starts` import, directly or through each other (presentation modules are neither
+    digested nor followed)."""
+    seen, todo = set(), list(starts)
+    while todo:
+        path = todo.pop()
+        if path in seen or _relative(path) in PRESENTATION_MODULES:
+            continue
+        seen.add(path)
+        todo.extend(_imports(path))
+    return seen
+
+
+@cache
+def _quantizer_modules() -> dict[str, Path]:
+    """Each registered quantizer's module file, by the name YAML and the CLI use."""
+    from kvq.quant import QUANTIZERS
+
+    return {name: Path(sys.modules[QUANTIZERS.get(name).__module__].__file__).resolve()
+            for name in QUANTIZERS.names()}
+
+
+@cache
+def _shared_files() -> frozenset[Path]:
+    """What every cell runs: the cell runner's imports, every kernel source, and every measuring module that
+    neither the runner nor any quantizer's module reaches (loaded by name, say), since an edit there must not
+    leave a result silently current."""
+    measuring = {p for p in PACKAGE_DIR.rglob("*.py") if _relative(p) not in PRESENTATION_MODULES}
+    shared = _reach([PACKAGE_DIR / MEASURING_ENTRY])
+    reached = shared | _reach(_quantizer_modules().values())
+    kernels = {p for p in KERNEL_SOURCES.rglob("*") if p.is_file()}
+    return frozenset(shared | (measuring - reached) | kernels)
+
+
+def measuring_files(quantizers: Iterable[str] = ()) -> list[Path]:
+    """The sources a measurement with these quantizers runs (none: an fp baseline's)."""
+    modules = _quantizer_modules()
+    return sorted(_shared_files() | _reach(modules[name] for name in quantizers))
+
+
+def _normal_form(node) -> str:
+    """A syntax tree as text, without string statements (docstrings) and without fields that are empty, so a
+    field a newer Python adds to its nodes (as 3.12 added type_params) leaves older code's form unchanged."""
+    if isinstance(node, list):
+        return "[" + ",".join(_normal_form(item) for item in node if not _is_string_statement(item)) + "]"
+    if not isinstance(node, ast.AST):
+        return repr(node)
+    fields = [f"{name}={_normal_form(value)}" for name, value in ast.iter_fields(node)
+              if value is not None and value != []]
+    return f"{type(node).__name__}({','.join(fields)})"
+
+
+def _is_string_statement(node) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
 def python_code(source: bytes) -> bytes:
-    """The token stream of a Python source without comments, blank lines, spacing or string statements
-    (docstrings): what executes, in a form that rewording or reflowing leaves unchanged."""
-    tokens = [t for t in tokenize.tokenize(io.BytesIO(source).readline) if t.type not in _LAYOUT]
-    kept = []
-    for index, token in enumerate(tokens):
-        follows = tokens[index - 1].type if index else tokenize.ENCODING
-        ends = tokens[index + 1].type if index + 1 < len(tokens) else tokenize.ENDMARKER
-        if token.type == tokenize.STRING and follows in _STATEMENT_START and ends in (tokenize.NEWLINE,
-                                                                                     tokenize.ENDMARKER):
-            continue
-        kept.append(f"{token.type}" if token.type in _STATEMENT_START else f"{token.type} {token.string}")
-    return "\n".join(kept).encode()
+    """A Python source's syntax tree without docstrings or other string statements: what executes, in a form that
+    comments, layout, quoting and the tokenizer's version leave unchanged."""
+    return _normal_form(ast.parse(source)).encode()
+
+
+# C-family comments, matched beside string and character literals so that a "//" inside one stays.
+_C_COMMENT_OR_LITERAL = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
 
 
 def c_code(source: bytes) -> bytes:
@@ -86,10 +166,11 @@ def _code(path: Path) -> bytes:
 
 
 @cache
-def code_version() -> str:
-    """Digest of the measuring path's source files (names and code); fixed for a process's life."""
+def code_version(quantizers: frozenset[str] = frozenset()) -> str:
+    """Digest of the sources a measurement with these quantizers runs (names and code; none: an fp baseline's);
+    fixed for a process's life."""
     chunks = []
-    for path in _measuring_files():
+    for path in measuring_files(quantizers):
         chunks += [path.relative_to(PACKAGE_DIR.parent).as_posix().encode(), _code(path)]
     return _sha(*chunks)
 
@@ -99,11 +180,11 @@ def device_kind(device: str) -> str:
     return device.split(":", 1)[0]
 
 
-def measuring_context(device: str) -> dict[str, str | None]:
-    """What a number measured now depends on besides its config and data."""
+def measuring_context(device: str, quantizers: Iterable[str] = ()) -> dict[str, str | None]:
+    """What a number measured now with these quantizers (none: fp) depends on besides its config and data."""
     installed = versions()
-    return {"code": code_version(), "torch": installed["torch"], "transformers": installed["transformers"],
-            "device": device_kind(device)}
+    return {"code": code_version(frozenset(quantizers)), "torch": installed["torch"],
+            "transformers": installed["transformers"], "device": device_kind(device)}
 
 
 def corpus_digest(corpus: str) -> str:

@@ -1,7 +1,7 @@
 """A sweep folder's records on disk (cells and fp baselines), and whether a finished cell is current.
 
 A cell is current when its record has this kvq's format, its digest verifies (nobody edited it), it
-was measured in the current measuring context (code on the measuring path, torch, transformers,
+was measured in the current measuring context (the code its measurement runs, torch, transformers,
 device kind, calibration artifact bytes), and every fp baseline it was paired with is the one a run
 would pair it with now. Baselines are keyed on model, mode, data spec, corpus text digest and the
 measuring context, and carry provenance and a digest of their own.
@@ -46,7 +46,7 @@ class RecordBook:
         return self.directory / CLAIMS / f"{name}.lock"
 
     def context(self, cell: Cell) -> dict:
-        context = measuring_context(self.device)
+        context = measuring_context(self.device, quantizers_of(cell.config()))
         if cell.quant.calibration:
             context["calibration"] = file_digest(cell.quant.calibration)
         return context
@@ -93,6 +93,16 @@ class RecordBook:
             if raw["baselines"].get(name) != baseline_fingerprint(current):
                 return f"stale: its {name} fp baseline changed"
         return None
+
+
+def quantizers_of(config: dict) -> set[str]:
+    """The quantizers a cell's config (Cell.config(), as its record stores it) runs: its own and any its policy
+    gives a site."""
+    policy = config.get("policy", {})
+    role_sets = [policy] + [rule for rule in policy.get("layers", [])]
+    return {config["quant"]["quantizer"]} | {fields["quantizer"] for roles in role_sets
+                                             for role, fields in roles.items()
+                                             if isinstance(fields, dict) and "quantizer" in fields}
 
 
 def baseline_fingerprint(record: dict) -> str:

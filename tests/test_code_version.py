@@ -1,9 +1,18 @@
 """code_version reads sources as code: rewording a comment or docstring keeps results current, any
-change to what runs makes them stale."""
+change to what runs makes them stale, and only the cells that run it."""
+
+import inspect
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from kvq.fingerprint import _code, _measuring_files, c_code, python_code
+from kvq import fingerprint
+from kvq.fingerprint import PACKAGE_DIR, _code, c_code, measuring_files, python_code
+from kvq.quant import QUANTIZERS
 
 PYTHON = b'''"""Module docstring."""
 
@@ -69,8 +78,84 @@ def test_any_change_to_what_runs_changes_the_code(read, source, old, new):
 
 
 def test_every_measuring_source_reads_as_code_and_a_comment_leaves_it_unchanged():
-    for path in _measuring_files():
+    for path in measuring_files(QUANTIZERS.names()):
         source = path.read_bytes()
         commented = (b"// a note\n" if path.suffix != ".py" else b"# a note\n") + source
         assert _code(path), path
         assert (c_code(commented) if path.suffix != ".py" else python_code(commented)) == _code(path), path
+
+
+FSTRINGS = b'''
+def label(name, bits, scale):
+    return f"{name}-{bits}b" + f'{scale:>8.3f}' + f"{'{'}{name!r}{'}'}" + f"{bits=}"
+'''
+
+FSTRINGS_RETOKENIZED = b'''
+def label(name, bits, scale):
+    return (f'{name}-{bits}b'
+            + f"{scale:>8.3f}" + f"{'{'}{name!r}{'}'}" + f'{bits=}')
+'''
+
+
+def test_the_code_is_the_syntax_tree_so_quoting_and_line_breaks_inside_f_strings_leave_it_unchanged():
+    assert python_code(FSTRINGS) == python_code(FSTRINGS_RETOKENIZED)
+    assert python_code(FSTRINGS) != python_code(FSTRINGS.replace(b">8.3f", b">9.3f"))
+
+
+def _other_python() -> str | None:
+    """A working Python on the other side of 3.12's tokenizer change (PEP 701 made f-strings tokens of their own)."""
+    minors = (11, 10) if sys.version_info >= (3, 12) else (12, 13)
+    candidates = [str(p) for minor in minors
+                  for p in sorted(Path.home().glob(f".pyenv/versions/3.{minor}*/bin/python"))]
+    candidates += [found for minor in minors if (found := shutil.which(f"python3.{minor}"))]
+    for candidate in candidates:
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
+            return candidate
+    return None
+
+
+def test_the_code_of_every_measuring_source_is_the_same_under_another_python_version():
+    """Python 3.12 tokenizes f-strings differently from 3.11 (PEP 701): the digest must not follow."""
+    other = _other_python()
+    if other is None:
+        pytest.skip("no Python of the other tokenizer generation is installed")
+    functions = "\n".join(inspect.getsource(f) for f in (fingerprint._normal_form, fingerprint._is_string_statement,
+                                                          fingerprint.python_code))
+    files = [str(p) for p in measuring_files(QUANTIZERS.names()) if p.suffix == ".py"]
+    script = "import ast, hashlib, sys\n" + functions + textwrap.dedent("""
+        for name in sys.argv[1:]:
+            print(hashlib.sha256(python_code(open(name, "rb").read())).hexdigest())
+        """)
+    there = subprocess.run([other, "-c", script, *files], capture_output=True, text=True, check=True).stdout.split()
+    here = [fingerprint.hashlib.sha256(python_code(Path(f).read_bytes())).hexdigest() for f in files]
+    assert there == here
+
+
+def _digests(package: Path, quantizer_sets: list[frozenset[str]]) -> list[str]:
+    """code_version of each quantizer set, computed by a fresh process from the kvq package at `package`."""
+    script = ("import sys; from kvq.fingerprint import code_version; "
+              "print(*(code_version(frozenset(s.split(',')) - {''}) for s in sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", script, *(",".join(sorted(s)) for s in quantizer_sets)],
+                          cwd=package.parent, capture_output=True, text=True, check=True,
+                          env={"PATH": "", "PYTHONPATH": str(package.parent)})
+    return done.stdout.split()
+
+
+@pytest.mark.parametrize("edit", ["quantizer", "shared", "comment"])
+def test_an_edit_stales_the_cells_that_run_what_it_changed_and_no_others(tmp_path, edit):
+    """A cell's code digest covers what its measurement runs: an edit to one quantizer's module changes only the
+    digests of cells that use it, an edit to the shared path changes every digest (the fp baseline's too), and
+    an edit to a comment changes none."""
+    package = tmp_path / "kvq"
+    shutil.copytree(PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
+    cells = [frozenset(), frozenset({"qjl"}), frozenset({"turbo"}), frozenset({"kivi"}), frozenset({"srft"}),
+             frozenset({"srft", "qjl"})]
+    before = _digests(package, cells)
+    target, line = {"quantizer": ("quant/qjl.py", "_EDITED = 1\n"), "shared": ("apply.py", "_EDITED = 1\n"),
+                    "comment": ("quant/qjl.py", "# a reworded note\n")}[edit]
+    with (package / target).open("a") as source:
+        source.write(line)
+    after = _digests(package, cells)
+    changed = [set(cell) for cell, old, new in zip(cells, before, after, strict=True) if old != new]
+    expected = {"quantizer": [{"qjl"}, {"srft", "qjl"}], "shared": [set(cell) for cell in cells], "comment": []}
+    assert changed == expected[edit]
