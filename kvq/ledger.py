@@ -62,6 +62,8 @@ def append_finding(path: Path, title: str, body: str, key: str | None = None) ->
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    """A pipe table; a '|' inside a cell (as in "KL(fp||q)") is escaped, or it would split the cell."""
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    return "\n".join([line(header), "|" + "---|" * len(header), *(line(row) for row in rows)])

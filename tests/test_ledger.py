@@ -1,7 +1,10 @@
 import multiprocessing
 import re
+from pathlib import Path
 
-from kvq.ledger import HEADING, append_finding, next_number
+from markdown_it import MarkdownIt
+
+from kvq.ledger import HEADING, append_finding, markdown_table, next_number
 
 PROCESSES, APPENDS = 6, 30
 
@@ -52,3 +55,37 @@ def test_ledger_numbering_keeps_old_items_byte_identical(tmp_path):
     assert after.startswith(before)
     assert next_number(after.decode()) == 3
     assert "## 2. second" in after.decode()
+
+
+def _pipe_blocks(text: str) -> list[str]:
+    """Each run of consecutive lines that start with '|': a pipe table as written."""
+    blocks, current = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    return blocks
+
+
+def _renders_as_table(block: str) -> bool:
+    """Whether a Markdown renderer with GFM tables reads the block as one table of all its rows."""
+    tokens = MarkdownIt("commonmark").enable("table").parse(block)
+    rows = sum(token.type == "tr_open" for token in tokens)
+    return tokens[0].type == "table_open" and rows == len(block.splitlines()) - 1
+
+
+def test_a_cell_holding_a_pipe_is_escaped_and_the_table_still_renders_with_it():
+    table = markdown_table(["model", "KL(fp||q) mean ± std"], [["m", "0.1 | 0.2"]])
+    assert _renders_as_table(table)
+    html = MarkdownIt("commonmark").enable("table").render(table)
+    assert "<th>KL(fp||q) mean ± std</th>" in html and "<td>0.1 | 0.2</td>" in html
+
+
+def test_every_table_in_the_results_ledger_renders_as_a_table():
+    ledger = Path(__file__).resolve().parents[1] / "RESULTS.md"
+    blocks = _pipe_blocks(ledger.read_text())
+    assert len(blocks) > 30
+    broken = [block.splitlines()[0] for block in blocks if not _renders_as_table(block)]
+    assert broken == []
