@@ -11,13 +11,16 @@ import pandas as pd
 
 from kvq.results import summarize
 
-# dPPL <= 0 (lossless within noise) is drawn at its floor on the log axis; KL is never negative, and near-lossless
-# settings reach 1e-4 nats/token
-LOG_FLOORS = {"dppl": 1e-3, "kld": 1e-5}
+# KL is never negative, and near-lossless settings reach 1e-4 nats/token: a log axis, values under its floor drawn
+# at the floor. dPPL goes negative where a setting is lossless within noise: a symmetric log axis, linear within
+# its threshold, so a negative dPPL is drawn where it is, below zero.
+LOG_FLOORS = {"kld": 1e-5}
+SYMLOG_THRESHOLDS = {"dppl": 1e-3}
 MARKERS = "osD^vP*X"
 
 
-METRIC_AXES = {"dppl": "dPPL vs fp (log)", "kld": "KL(fp || quantized), nats/token (log)"}
+METRIC_AXES = {"dppl": "dPPL vs fp (symmetric log, linear within ±0.001)",
+               "kld": "KL(fp || quantized), nats/token (log)"}
 
 
 def pareto_front(points: pd.DataFrame, metric: str = "dppl") -> pd.DataFrame:
@@ -33,11 +36,25 @@ def pareto_front(points: pd.DataFrame, metric: str = "dppl") -> pd.DataFrame:
 
 def plot_metric_vs_bits(frame: pd.DataFrame, out_dir: Path, metric: str = "dppl") -> list[Path]:
     """One figure, `<metric>_vs_bits.png/.pdf` in out_dir: `metric` is dppl or kld (cells without it are left out)."""
+    fig = metric_figure(frame, metric)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{metric}_vs_bits.png", out_dir / f"{metric}_vs_bits.pdf"]
+    for path in paths:
+        fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return paths
+
+
+def _shown(values: pd.Series, metric: str) -> pd.Series:
+    """Where a metric's values are drawn on its axis."""
+    return values.clip(lower=LOG_FLOORS[metric]) if metric in LOG_FLOORS else values
+
+
+def metric_figure(frame: pd.DataFrame, metric: str = "dppl") -> plt.Figure:
+    """`metric` (mean and std over seeds) against bits/element, a panel per model, the Pareto frontier marked."""
     summary = summarize(frame)
     summary = summary[summary[f"{metric}_mean"].notna()].copy()
-    floor = LOG_FLOORS[metric]
-    summary["y"] = summary[f"{metric}_mean"].clip(lower=floor)
-    stem = f"{metric}_vs_bits"
+    summary["y"] = _shown(summary[f"{metric}_mean"], metric)
     model_names = list(dict.fromkeys(summary.model))
     fig, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4.5), squeeze=False)
     for ax, model in zip(axes[0], model_names, strict=True):
@@ -53,18 +70,17 @@ def plot_metric_vs_bits(frame: pd.DataFrame, out_dir: Path, metric: str = "dppl"
             ax.errorbar(points.bits_per_element, points.y, yerr=points[f"{metric}_std"], capsize=3, label=series,
                         color=colours[first[colour_key]], marker=markers[first.granularity], ms=7, alpha=0.85)
         front = pareto_front(panel, metric)
-        ax.plot(front.bits_per_element, front[f"{metric}_mean"].clip(lower=floor), "k--", lw=1, marker="s",
+        ax.plot(front.bits_per_element, _shown(front[f"{metric}_mean"], metric), "k--", lw=1, marker="s",
                 mfc="none", ms=13, alpha=0.6, label="Pareto frontier")
-        ax.set_yscale("log")
+        if metric in SYMLOG_THRESHOLDS:
+            ax.set_yscale("symlog", linthresh=SYMLOG_THRESHOLDS[metric])
+            ax.axhline(0, color="grey", lw=0.8)
+        else:
+            ax.set_yscale("log")
         ax.set_xlabel("bits / element (scales included)")
         ax.set_ylabel(METRIC_AXES[metric])
         ax.set_title(f"{model} ({panel['mode'].iloc[0]} mode)")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"]
-    for path in paths:
-        fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return paths
+    return fig
