@@ -1,7 +1,6 @@
 """The `kvq` command. Thin: parse, call the library, print."""
 
 import sys
-from collections import Counter
 from pathlib import Path
 
 import typer
@@ -93,6 +92,7 @@ def ppl(
     from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant import QuantSpec
+    from kvq.report import ppl_report
     from kvq.store import write_json_atomic
 
     spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option),
@@ -112,15 +112,7 @@ def ppl(
     shown_policy = f"  policy {site_policy.label()}" if not site_policy.is_default else ""
     typer.echo(f"model {model}  mode {mode}  quantizer {spec.label()}{shown_policy}  windows {n_windows}x{seq_len}"
                f"{shown_protocol}")
-    typer.echo(f"fp PPL         {base.ppl:.4f}")
-    typer.echo(f"quantized PPL  {quantized.ppl:.4f}")
-    typer.echo(f"dPPL           {quantized.ppl - base.ppl:+.4f}")
-    if quantized.divergence:
-        divergence = quantized.divergence
-        typer.echo(f"KL(fp||q)      {divergence.kld:.5f} nats/token (worst window {divergence.max_window_kld:.5f})")
-        typer.echo(f"top-1 agree    {divergence.top1_agreement:.4f}")
-    encoded = f" (the window's tokens in fp16, the rest at {quantized_bits:.4f} as encoded)"
-    typer.echo(f"bits/element   {bits_per_element:.4f}" + (encoded if shown_protocol else ""))
+    typer.echo(ppl_report(base, quantized, bits_per_element, quantized_bits if shown_protocol else None))
     if json_out:
         record = {
             "model": model, "mode": mode, "quant": spec.to_dict(), "policy": site_policy.to_dict(),
@@ -157,7 +149,7 @@ def sweep(
     from kvq.executors.driver import SweepIncomplete
     from kvq.ledger import append_finding
     from kvq.plot import plot_metric_vs_bits
-    from kvq.report import sweep_finding
+    from kvq.report import status_report, sweep_finding
     from kvq.results import load_files
     from kvq.sweep import sweep_dir, sweep_status
     from kvq.sweep_spec import load_sweep
@@ -168,7 +160,7 @@ def sweep(
         "partition": partition, "time": time_limit, "cells_per_job": cells_per_job, "cluster": cluster})
     device = executors.sweep_device(settings, device)
     if status:
-        _print_status(sweep_status(spec, runs_dir, device), sweep_dir(runs_dir, spec))
+        typer.echo(status_report(sweep_status(spec, runs_dir, device), sweep_dir(runs_dir, spec)))
         return
     try:
         outcome = executors.run(spec, settings, runs_dir, force, device,
@@ -229,14 +221,6 @@ def compare(
     typer.echo(table)
 
 
-def _print_status(states, directory: Path) -> None:
-    for s in states:
-        what = f"{s.cell.model}  seed={s.cell.quant.seed}  {s.cell.label()}" if s.cell else "-"
-        typer.echo(f"{s.cell_id}  {s.state:7s}  {what}" + (f"  ({s.detail})" if s.state == "stale" else ""))
-    counts = Counter(s.state for s in states if s.cell is not None)
-    others = sum(s.cell is None for s in states)
-    typer.echo(f"{counts.total()} cells: {counts['current']} current, {counts['todo']} todo, {counts['stale']} stale; "
-               f"{others} other records in {directory} are not in this spec")
 
 
 @app.command()
@@ -370,8 +354,8 @@ def retrieval(
     from kvq.ledger import append_finding
     from kvq.longctx import RetrievalSpec
     from kvq.protocol import Protocol
-    from kvq.provenance import describe_source, git_state
     from kvq.quant.spec import parse_spec
+    from kvq.report import retrieval_finding
     from kvq.retrieval import accuracy_frame, accuracy_table, heatmap, run_retrieval
 
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
@@ -382,15 +366,9 @@ def retrieval(
     table = accuracy_table(frame)
     figures = heatmap(frame, out / f"{model}-{task}-heatmap", f"{task} on {model} ({mode} mode)")
     typer.echo(table)
-    git = git_state()
-    body = "\n".join([
-        f"Command: `kvq {' '.join(sys.argv[1:])}`",
-        f"Source: {describe_source(git)}; {len(frame) // len(records)} samples per method is "
-        f"{len(spec.lengths)} lengths x {len(spec.depths)} depths x {samples}; greedy decoding.",
-        "", "Accuracy (mean over depths):", "", table, "",
-        f"JSON: `{out}/{model}-{task}-*.json`", "Figure: " + ", ".join(f"`{p}`" for p in figures),
-    ])
-    number = append_finding(results, f"{task} retrieval on {model}", body).number
+    finding = retrieval_finding(f"kvq {' '.join(sys.argv[1:])}", model, task, spec, len(frame) // len(records), table,
+                                out, figures)
+    number = append_finding(results, finding.title, finding.body).number
     typer.echo(f"appended finding {number} to {results}")
 
 
@@ -400,20 +378,16 @@ app.add_typer(bench_app, name="bench")
 
 def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, results: Path) -> None:
     from kvq.ledger import append_finding
-    from kvq.provenance import describe_source, provenance
+    from kvq.provenance import provenance
+    from kvq.report import bench_finding
     from kvq.store import write_json_atomic
 
     record = {"bench": kind, "result": result, **provenance(device)}
     path = out / f"{kind}-{record['timestamp'][:19].replace(':', '')}.json"
     write_json_atomic(path, record)
     typer.echo(table)
-    git = record["git"]
-    body = "\n".join([
-        f"Command: `kvq {' '.join(sys.argv[1:])}`",
-        f"Source: {describe_source(git)}; device: {record['device']}; "
-        f"torch {record['versions']['torch']}. Ratios are from this one run.", "", table, "", f"JSON: `{path}`",
-    ])
-    number = append_finding(results, f"kvq bench {kind} on {record['device']}", body).number
+    finding = bench_finding(f"kvq {' '.join(sys.argv[1:])}", kind, record, table, path)
+    number = append_finding(results, finding.title, finding.body).number
     typer.echo(f"wrote {path}; appended finding {number} to {results}")
 
 

@@ -5,6 +5,7 @@ spec's name, its cell ids and the table), so rerunning a sweep whose numbers did
 same key and the ledger adds nothing.
 """
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from kvq.sweep_spec import SweepSpec
 class Finding:
     title: str
     body: str
-    key: str
+    key: str | None = None  # sweep findings only: what the ledger matches a rerun against
 
 
 def _table(frame: pd.DataFrame) -> str:
@@ -108,6 +109,58 @@ def sweep_finding(spec: SweepSpec, frame: pd.DataFrame, directory: Path, figures
     key = record_digest({"sweep": spec.name, "cells": sorted(frame.cell_id), "table": table})
     metrics = "dPPL and KL" if "kld" in spec.metrics else "dPPL"
     return Finding(f"{spec.name}: {metrics} vs bits/element", body, key)
+
+
+def ppl_report(base, quantized, bits_per_element: float, encoded_bits: float | None) -> str:
+    """`kvq ppl`'s result lines: fp and quantized PPL (kvq.ppl results), KL where measured, and bits/element, with
+    what the encoded part alone stores where a protocol window holds tokens in fp16."""
+    lines = [f"fp PPL         {base.ppl:.4f}", f"quantized PPL  {quantized.ppl:.4f}",
+             f"dPPL           {quantized.ppl - base.ppl:+.4f}"]
+    if quantized.divergence:
+        divergence = quantized.divergence
+        lines += [f"KL(fp||q)      {divergence.kld:.5f} nats/token (worst window {divergence.max_window_kld:.5f})",
+                  f"top-1 agree    {divergence.top1_agreement:.4f}"]
+    encoded = ("" if encoded_bits is None
+               else f" (the window's tokens in fp16, the rest at {encoded_bits:.4f} as encoded)")
+    return "\n".join([*lines, f"bits/element   {bits_per_element:.4f}{encoded}"])
+
+
+def status_report(states, directory: Path) -> str:
+    """`kvq sweep --status`: a line per record (kvq.sweep.CellState), then counts that add up to those lines. A
+    record that no cell of the spec names is 'other', never counted as a stale cell."""
+    lines = []
+    for s in states:
+        what = f"{s.cell.model}  seed={s.cell.quant.seed}  {s.cell.label()}" if s.cell else "-"
+        state = s.state if s.cell else "other"
+        lines.append(f"{s.cell_id}  {state:7s}  {what}" + (f"  ({s.detail})" if s.state == "stale" else ""))
+    counts = Counter(s.state for s in states if s.cell is not None)
+    others = sum(s.cell is None for s in states)
+    lines.append(f"{counts.total()} cells: {counts['current']} current, {counts['todo']} todo, {counts['stale']} "
+                 f"stale; {others} other records in {directory} are not in this spec")
+    return "\n".join(lines)
+
+
+def retrieval_finding(command: str, model: str, task: str, spec, samples_per_method: int, table: str, out: Path,
+                      figures: list[Path]) -> Finding:
+    """The finding `kvq retrieval` appends: accuracy per method and length (`spec` a kvq.longctx.RetrievalSpec)."""
+    body = "\n".join([
+        f"Command: `{command}`",
+        f"Source: {describe_source(git_state())}; {samples_per_method} samples per method is "
+        f"{len(spec.lengths)} lengths x {len(spec.depths)} depths x {spec.samples}; greedy decoding.",
+        "", "Accuracy (mean over depths):", "", table, "",
+        f"JSON: `{out}/{model}-{task}-*.json`", "Figure: " + ", ".join(f"`{p}`" for p in figures),
+    ])
+    return Finding(f"{task} retrieval on {model}", body)
+
+
+def bench_finding(command: str, kind: str, record: dict, table: str, path: Path) -> Finding:
+    """The finding `kvq bench` appends: its table, from one run on one device."""
+    body = "\n".join([
+        f"Command: `{command}`",
+        f"Source: {describe_source(record['git'])}; device: {record['device']}; "
+        f"torch {record['versions']['torch']}. Ratios are from this one run.", "", table, "", f"JSON: `{path}`",
+    ])
+    return Finding(f"kvq bench {kind} on {record['device']}", body)
 
 
 def rank_correlation(a: pd.Series, b: pd.Series) -> float:

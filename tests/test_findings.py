@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,10 @@ def test_a_changed_spec_finding_holds_only_its_own_cells(tmp_path):
     status = run_kvq("sweep", "t.yaml", "--runs-dir", "runs", "--status", cwd=tmp_path)
     lines = status.stdout.splitlines()
     assert any(line.startswith(f"{new_record['cell_id']}  current") for line in lines)
-    assert any(line.startswith(f"{old_id}  stale") and "not in the spec" in line for line in lines)
+    assert any(line.startswith(f"{old_id}  other") and "not in the spec" in line for line in lines)
     assert "1 cells: 1 current, 0 todo, 0 stale; 1 other records" in status.stdout
+    tags = Counter(line.split()[1] for line in lines[:-1])
+    assert tags == {"current": 1, "other": 1}  # the counts add up to the lines
 
 
 @requires_models
@@ -136,7 +139,8 @@ def test_cells_from_other_code_are_stale_and_measured_again(tmp_path, monkeypatc
     assert [s.state for s in sweep.sweep_status(spec, tmp_path / "runs")] == ["current"]
 
     real = records.measuring_context
-    monkeypatch.setattr(records, "measuring_context", lambda device: {**real(device), "code": "edited-code"})
+    monkeypatch.setattr(records, "measuring_context",
+                        lambda device, quantizers=(): {**real(device, quantizers), "code": "edited-code"})
     (state,) = sweep.sweep_status(spec, tmp_path / "runs")
     assert state.state == "stale" and state.detail == "stale: measured with another code"
     again = sweep.run_sweep(spec, tmp_path / "runs")
