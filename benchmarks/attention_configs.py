@@ -13,7 +13,8 @@ import itertools
 
 import torch
 
-from kvq.bench import packed_layers, time_per_layer
+from kvq.bench.kernels import packed_layers
+from kvq.bench.timing import time_per_layer
 from kvq.kernels.decode_attention import DecodeStep, decode_attention
 from kvq.kernels.launch import LaunchConfig
 

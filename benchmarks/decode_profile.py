@@ -5,7 +5,7 @@ timeline, on `kvq bench decode`'s model, for its compiled rows.
 
 A generate row runs one untimed generate (compilation), then two generates under torch.profiler, of 4 and of
 4 + new-tokens tokens: their difference is new-tokens decode steps, the prefill cancelling up to its own
-run-to-run variation. A step-loop row (`kvq.bench.greedy_step_loop`) runs once untimed, then again with the
+run-to-run variation. A step-loop row (`kvq.generate.greedy_step_loop`) runs once untimed, then again with the
 profiler started after its prefill and first steps (the GPU drained first), so its kernels are decode steps
 only. Busy is the sum of the GPU kernels' durations per step; a step longer than its busy time waited on the
 host or on gaps between kernels. The top kernels say which of them fill the busy time.
@@ -17,15 +17,8 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvq.bench import (
-    DECODE_CACHES,
-    StepClock,
-    decode_model,
-    decode_routing,
-    decode_run,
-    greedy_step_loop,
-    llama3_8b_like,
-)
+from kvq.bench.decode import DECODE_CACHES, StepClock, decode_model, decode_run, llama3_8b_like
+from kvq.generate import decode_routing, greedy_step_loop
 
 WARM_STEPS = 4
 

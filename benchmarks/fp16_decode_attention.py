@@ -8,7 +8,7 @@ decode step does. Paths: transformers' sdpa function (which repeats K/V per quer
 kvq.gqa_attention's (SDPA with enable_gqa), each eager and compiled as the step loop compiles its step (without
 its CUDA graphs: each sample is replayed from a graph of its own), and SDPA with enable_gqa and no mask, which
 takes the flash kernel and attends the unwritten tail too (a speed reference, not a correct step). Times are
-CUDA-graph replays cycling through kvq.bench.LAYERS distinct caches; the floor is the K/V bytes at the measured
+CUDA-graph replays cycling through kvq.bench.timing.LAYERS distinct caches; the floor is the K/V bytes at the measured
 copy rate.
 """
 
@@ -17,7 +17,8 @@ import argparse
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvq import bench
+from kvq.bench import timing
+from kvq.generate import STEP_COMPILE_OPTIONS
 from kvq.gqa_attention import gqa_sdpa_attention
 
 Q_HEADS, KV_HEADS, D, UNWRITTEN = 32, 8, 128, 16
@@ -30,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = Q_HEADS // KV_HEADS, True
-    compile_options = {k: v for k, v in bench.STEP_COMPILE_OPTIONS.items() if k != "triton.cudagraphs"}
+    compile_options = {k: v for k, v in STEP_COMPILE_OPTIONS.items() if k != "triton.cudagraphs"}
 
     def transformers_sdpa(q, k, v, mask):
         return sdpa_attention_forward(module, q, k, v, mask, scaling=D**-0.5)[0]
@@ -45,7 +46,7 @@ def main() -> None:
              "transformers sdpa, compiled": torch.compile(transformers_sdpa, options=compile_options, dynamic=False),
              "kvq gqa sdpa, compiled": torch.compile(kvq_gqa_sdpa, options=compile_options, dynamic=False),
              "SDPA enable_gqa, no mask (flash)": unmasked_flash}
-    bandwidth = bench.copy_bandwidth("cuda")
+    bandwidth = timing.copy_bandwidth("cuda")
     print(f"copy rate {bandwidth / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; torch {torch.__version__}")
     print("| context | batch | path | us per layer | K/V floor us | x floor | max abs diff vs transformers |")
     print("|---|---|---|---|---|---|---|")
@@ -55,13 +56,13 @@ def main() -> None:
             mask = torch.ones(batch, 1, 1, context, device="cuda", dtype=torch.bool)
             mask[..., context - UNWRITTEN:] = False
             layers = [tuple(torch.randn(batch, KV_HEADS, context, D, device="cuda", dtype=torch.float16)
-                            for _ in range(2)) for _ in range(bench.LAYERS)]
+                            for _ in range(2)) for _ in range(timing.LAYERS)]
             floor_us = 2 * batch * KV_HEADS * context * D * 2 / bandwidth * 1e6
             reference = transformers_sdpa(query, *layers[0], mask)
             for name, path in paths.items():
                 with torch.no_grad():
                     difference = (path(query, *layers[0], mask) - reference).abs().max().item()
-                    seconds = bench.time_per_layer(lambda k, v, p=path, q=query, m=mask: p(q, k, v, m), layers, "cuda")
+                    seconds = timing.time_per_layer(lambda k, v, p=path, q=query, m=mask: p(q, k, v, m), layers, "cuda")
                 print(f"| {context} | {batch} | {name} | {seconds * 1e6:.1f} | {floor_us:.1f} | "
                       f"{seconds * 1e6 / floor_us:.2f} | {difference:.1e} |", flush=True)
             del layers

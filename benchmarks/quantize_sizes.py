@@ -11,7 +11,8 @@ inputs.
 import torch
 
 from kvq import ops
-from kvq.bench import peak_bandwidth, quantize_bytes, time_call
+from kvq.bench.kernels import quantize_bytes
+from kvq.bench.timing import peak_bandwidth, time_call
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import SRFT, Identity

@@ -3,7 +3,7 @@
     python benchmarks/step_loop_cache_reuse.py [--prompts 5] [--prompt 512] [--new-tokens 16]
 
 On a small random Llama (host-bound steps, so the step loop's host work shows), each cache kind decodes the
-same prompt `--prompts` times through `kvq.bench.greedy_step_loop`: first with a fresh cache each time, then
+same prompt `--prompts` times through `kvq.generate.greedy_step_loop`: first with a fresh cache each time, then
 with one cache and `cache.reset()`. Per prompt: the first decode step, the median step, and how many CUDA
 graphs the compiled step has recorded so far (the first prompt also compiles).
 """
@@ -14,7 +14,8 @@ import statistics
 import torch
 from transformers import LlamaConfig
 
-from kvq import bench
+from kvq import generate
+from kvq.bench import decode
 
 
 def small_llama() -> LlamaConfig:
@@ -28,12 +29,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args()
-    model = bench.decode_model("cuda", small_llama())
+    model = decode.decode_model("cuda", small_llama())
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device="cuda")
     max_tokens = args.prompt + args.new_tokens
     print("| cache | between prompts | prompt | first step ms | median step ms | graphs recorded |")
     print("|---|---|---|---|---|---|")
-    for row in bench.decode_caches(("fp16-static-step", "kvq-int4-static-step")):
+    for row in decode.decode_caches(("fp16-static-step", "kvq-int4-static-step")):
         for reuse in (False, True):
             cache = row.setup(model, 1, max_tokens)["past_key_values"]
             for index in range(args.prompts):
@@ -41,13 +42,13 @@ def main() -> None:
                     cache.reset()
                 elif index:
                     cache = row.setup(model, 1, max_tokens)["past_key_values"]
-                clock = bench.StepClock(prompt.device)
-                with torch.no_grad(), bench.decode_routing(model, cache):
-                    bench.greedy_step_loop(model, cache, prompt, args.new_tokens, on_token=clock.tick)
+                clock = decode.StepClock(prompt.device)
+                with torch.no_grad(), generate.decode_routing(model, cache):
+                    generate.greedy_step_loop(model, cache, prompt, args.new_tokens, on_token=clock.tick)
                 steps = clock.seconds()[1]
                 print(f"| {row.label} | {'reset' if reuse else 'fresh cache'} | {index + 1} | {steps[0] * 1e3:.2f} | "
                       f"{statistics.median(steps) * 1e3:.2f} | "
-                      f"{bench.graphs_recorded()} |", flush=True)
+                      f"{generate.graphs_recorded()} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -400,10 +400,10 @@ def bench_kernels(
     device: str = device_option(),
 ):
     """Fused quantize ns/vec, GB/s and fraction of HBM bandwidth; fused int4 decode attention vs SDPA."""
-    from kvq import bench
+    from kvq.bench import kernels, tables
 
-    result = bench.bench_kernels(device, vectors, tuple(int(x) for x in _floats(contexts)))
-    _record_bench("kernels", result, bench.kernels_tables(result), device, out, results)
+    result = kernels.bench_kernels(device, vectors, tuple(int(x) for x in _floats(contexts)))
+    _record_bench("kernels", result, tables.kernels_tables(result), device, out, results)
 
 
 @bench_app.command("decode")
@@ -425,7 +425,7 @@ def bench_decode(
     """ms/token per cache (HF generate with fp16 eager and compiled, kvq int4, transformers' quantized caches; a
     compiled step loop over the static caches), with each row's bandwidth floor (Llama-3-8B shapes, random
     weights)."""
-    from kvq import bench
+    from kvq.bench import decode, tables
 
     if new_tokens < 2:
         raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
@@ -433,13 +433,13 @@ def bench_decode(
         raise KvqError(f"--repeats must be at least 1, got {repeats}")
     if prefill_chunk < 0:
         raise KvqError(f"--prefill-chunk must be 0 (one pass) or a positive number of tokens, got {prefill_chunk}")
-    chosen = bench.decode_caches(tuple(caches.split(",")) if caches else None)
+    chosen = decode.decode_caches(tuple(caches.split(",")) if caches else None)
     lengths, sizes = (tuple(int(x) for x in _floats(text)) for text in (prompts, batches))
     if min(lengths) < 1 or min(sizes) < 1:
         raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
-    result = bench.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
+    result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
                                 prefill_chunk=prefill_chunk or None)
-    _record_bench("decode", result, bench.decode_table(result), device, out, results)
+    _record_bench("decode", result, tables.decode_table(result), device, out, results)
 
 
 @app.command("list")

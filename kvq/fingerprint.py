@@ -24,11 +24,13 @@ from pathlib import Path
 from kvq.provenance import PACKAGE_DIR, versions
 
 # Modules that cannot change a cell's number: they parse specs, print, plot, lock, store or judge records, time
-# kernels or serve only kvq bench's rows (kvq bench reports speed, never a cell), or hand cells to workers (every
-# executor measures a cell with kvq.sweep's CellRunner, which is on the path).
+# kernels or decode for kvq bench and users (kvq bench reports speed, never a cell; no cell decodes through
+# kvq.generate), or hand cells to workers (every executor measures a cell with kvq.sweep's CellRunner, which is on
+# the path).
 PRESENTATION_MODULES = frozenset({
-    "__main__.py", "bench.py", "cli.py", "errors.py", "fingerprint.py", "gqa_attention.py", "ledger.py",
+    "__main__.py", "cli.py", "errors.py", "fingerprint.py", "generate.py", "gqa_attention.py", "ledger.py",
     "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py", "store.py", "yamlspec.py",
+    "bench/__init__.py", "bench/decode.py", "bench/kernels.py", "bench/tables.py", "bench/timing.py",
     "executors/__init__.py", "executors/driver.py", "executors/ray_backend.py", "executors/settings.py",
     "executors/slurm_backend.py", "executors/worker.py",
 })

@@ -6,8 +6,9 @@ import torch
 from conftest import requires_cuda
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
-from kvq import bench
+from kvq import generate
 from kvq.apply import QuantizerBank, kv_geometry
+from kvq.bench import decode, tables
 from kvq.gqa_attention import GQA_SDPA_ATTENTION
 from kvq.quant import QuantSpec
 from kvq.static_cache import StaticQuantizedCache, StaticQuantizedLayer
@@ -16,10 +17,10 @@ from kvq.static_cache import StaticQuantizedCache, StaticQuantizedLayer
 def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_run():
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, vocab_size=256)
-    result = bench.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2, batches=(1, 2))
+    result = decode.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2, batches=(1, 2))
     for batch in (1, 2):
         rows = [row for row in result["rows"] if row["batch"] == batch]
-        assert {row["cache"] for row in rows} == {cache.label for cache in bench.DECODE_CACHES}
+        assert {row["cache"] for row in rows} == {cache.label for cache in decode.DECODE_CACHES}
         timed = {row["cache"]: row for row in rows if "skipped" not in row}
         skipped = {row["cache"]: row["skipped"] for row in rows if "skipped" in row}
         assert {"fp16 DynamicCache eager", "kvq fused int4 g32 eager"} <= set(timed)
@@ -36,13 +37,13 @@ def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_r
             assert row["floor_ms"] is None and row["peak_bytes"] is None  # no copy rate or allocator stats on CPU
         fp16, kvq = timed["fp16 DynamicCache eager"], timed["kvq fused int4 g32 eager"]
         # the fp16 cache holds every token's K and V in fp16 (the last token's are never written)
-        assert fp16["cache_bytes"] == fp16["kv_read_bytes"] == bench._fp16_kv_bytes(config, batch, 40 + 5 - 1)
+        assert fp16["cache_bytes"] == fp16["kv_read_bytes"] == decode._fp16_kv_bytes(config, batch, 40 + 5 - 1)
         assert kvq["cache_bytes"] == kvq["kv_read_bytes"] > 0
         ratios = [a / b for a, b in zip(kvq["ms_per_token_runs"], fp16["ms_per_token_runs"], strict=True)]
         assert fp16["paired_ratio_to_first"] == 1.0 and fp16["speedup_vs_best_fp16"] == 1.0
         assert min(ratios) <= kvq["paired_ratio_to_first"] <= max(ratios)
         assert kvq["speedup_vs_best_fp16"] == pytest.approx(fp16["ms_per_token"] / kvq["ms_per_token"])
-    assert "skipped: " in bench.decode_table(result)
+    assert "skipped: " in tables.decode_table(result)
 
 
 def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_best_fp16_row():
@@ -50,7 +51,7 @@ def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_bes
             {"prompt": 8, "batch": 1, "cache": "b", "precision": "fp16", "ms_per_token": 2.0, "kv_read_bytes": 1e9},
             {"prompt": 8, "batch": 1, "cache": "c", "precision": "int4", "ms_per_token": 1.0, "kv_read_bytes": 2.5e8},
             {"prompt": 8, "batch": 1, "cache": "d", "skipped": "why"}]
-    a, b, c, d = bench._with_floors(rows, weight_bytes=3e9, bandwidth=1e12)
+    a, b, c, d = decode._with_floors(rows, weight_bytes=3e9, bandwidth=1e12)
     assert a["floor_ms"] == pytest.approx(4.0) and c["floor_ms"] == pytest.approx(3.25)
     assert a["ratio_to_floor"] == pytest.approx(1.0) and c["ratio_to_floor"] == pytest.approx(1 / 3.25)
     assert [r["speedup_vs_best_fp16"] for r in (a, b, c)] == pytest.approx([0.5, 1.0, 2.0])
@@ -62,7 +63,7 @@ def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_bes
 
 def test_unknown_decode_cache_is_an_error_naming_it():
     with pytest.raises(Exception, match="unknown decode cache 'fp8'"):
-        bench.decode_caches(("kvq-int4", "fp8"))
+        decode.decode_caches(("kvq-int4", "fp8"))
 
 
 def _static_cache(kind: str, model, batch: int, max_tokens: int):
@@ -112,9 +113,9 @@ def test_the_step_loop_decodes_generates_greedy_tokens(device, kind, compiled, c
     for loop in ("generate", "step"):
         cache = _static_cache(kind, model, 3, 24 + steps)
         attention = _attention(kind) if loop == "step" else None
-        with torch.no_grad(), bench.decode_routing(model, cache, attention):
+        with torch.no_grad(), generate.decode_routing(model, cache, attention):
             if loop == "step":
-                runs[loop] = bench.greedy_step_loop(model, cache, prompt, steps, chunk, compiled=compiled,
+                runs[loop] = generate.greedy_step_loop(model, cache, prompt, steps, chunk, compiled=compiled,
                                                     on_token=lambda: marks.append(1))
             else:
                 runs[loop] = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
@@ -148,19 +149,19 @@ def test_the_compiled_step_picks_the_plain_steps_token_from_the_same_cache(kind)
     steps, margin = 47, 0.1
     plain, graphed = (_static_cache(kind, model, 3, 24 + steps + 1) for _ in range(2))
     # as in the loop: past its graph limit dynamo would fall back to the plain step without saying so
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=bench.STEP_GRAPHS,
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=generate.STEP_GRAPHS,
                                                      fail_on_recompile_limit_hit=True):
         for cache in (plain, graphed):  # the loop's prefill alone: its first token, no step
-            with bench.decode_routing(model, cache):
-                token = bench.greedy_step_loop(model, cache, prompt, 1, compiled=False)
+            with generate.decode_routing(model, cache):
+                token = generate.greedy_step_loop(model, cache, prompt, 1, compiled=False)
         compared = 0
         for step in range(steps):
             position = torch.tensor([24 + step], device="cuda")
             for source, target in zip(_cache_state(plain), _cache_state(graphed), strict=True):
                 target.copy_(source)
-            with bench.decode_routing(model, graphed):
-                compiled_token = bench._compiled_greedy_step()(model, graphed, token, position).clone()
-            with bench.decode_routing(model, plain):
+            with generate.decode_routing(model, graphed):
+                compiled_token = generate._compiled_greedy_step()(model, graphed, token, position).clone()
+            with generate.decode_routing(model, plain):
                 logits = model(input_ids=token, position_ids=position[None], cache_position=position,
                                past_key_values=plain, use_cache=True).logits[:, -1]
             top_two = logits.float().topk(2).values
@@ -181,8 +182,8 @@ def test_a_cache_reused_through_reset_decodes_each_prompt_as_a_fresh_cache_does(
     prompts = (first, torch.randint(1, 101, first.shape, generator=torch.Generator().manual_seed(3)).to(device))
 
     def decode(cache, prompt):
-        with torch.no_grad(), bench.decode_routing(model, cache):
-            return bench.greedy_step_loop(model, cache, prompt, 24, compiled=compiled)
+        with torch.no_grad(), generate.decode_routing(model, cache):
+            return generate.greedy_step_loop(model, cache, prompt, 24, compiled=compiled)
 
     # The fresh caches stay alive while the reused one is allocated: a freed one's device addresses could be
     # handed to it, and the compiled step would then replay that cache's graph instead of recording one.
@@ -192,9 +193,9 @@ def test_a_cache_reused_through_reset_decodes_each_prompt_as_a_fresh_cache_does(
     reused, recorded = [], []
     for prompt in prompts:
         cache.reset()
-        before = bench.graphs_recorded()
+        before = generate.graphs_recorded()
         reused.append(decode(cache, prompt))
-        recorded.append(bench.graphs_recorded() - before)
+        recorded.append(generate.graphs_recorded() - before)
     assert not torch.equal(fresh[0], fresh[1])
     for got, want in zip(reused, fresh, strict=True):
         assert torch.equal(got, want)

@@ -1,0 +1,360 @@
+"""`kvq bench decode`: ms/token of every decode path a user would pick (HF generate with fp16 dynamic and compiled
+static caches, the fair fp16 static cache of kvq.gqa_attention, kvq's caches, transformers' quantized caches, and
+kvq.generate's compiled step loop over the static caches) on a random-init model of a real architecture config,
+each row beside its bandwidth floor and its bytes-ideal speedup."""
+
+import gc
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvq.bench.timing import copy_bandwidth
+from kvq.errors import KvqError
+from kvq.generate import decode_routing, greedy_step_loop
+from kvq.gqa_attention import GQA_SDPA_ATTENTION
+
+
+def llama3_8b_like():
+    """Llama-3-8B's architecture (random weights: speed does not depend on them)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                       max_position_embeddings=131072)
+
+
+class CacheUnavailable(Exception):
+    """A compared cache that cannot run here; its row says why instead of a time."""
+
+
+@dataclass(frozen=True)
+class DecodeCache:
+    """One row kind of `kvq bench decode`: `setup(model, batch, max_tokens)` returns generate's keyword
+    arguments for one run (a fresh cache, or the name of one generate builds), or raises CacheUnavailable."""
+
+    name: str  # what --caches takes
+    label: str
+    precision: str  # "fp16" rows are what a user would otherwise run; the best of them is the yardstick
+    setup: Callable[..., dict]
+    loop: str = "generate"  # "generate": HF generate; "step": greedy_step_loop, a compiled step per token
+    attention: str | None = None  # an attention implementation the row runs under (None: the model's own)
+
+
+def _compiled_on_cuda(model) -> None:
+    """Static-cache rows compile their decode step (generate's or the step loop's), which is timed on CUDA only."""
+    if model.device.type != "cuda":
+        raise CacheUnavailable("a static cache's decode step is compiled on CUDA only")
+
+
+def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
+    from kvq.apply import QuantizerBank, kv_geometry
+    from kvq.cache import QuantizedKVCache
+    from kvq.quant import QuantSpec
+
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(model.config))
+    return {"past_key_values": QuantizedKVCache(bank, model.config, fused=True)}
+
+
+def _kvq_int4_static(model, batch: int, max_tokens: int) -> dict:
+    from kvq.apply import QuantizerBank, kv_geometry
+    from kvq.quant import QuantSpec
+    from kvq.static_cache import StaticQuantizedCache
+
+    _compiled_on_cuda(model)
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(model.config))
+    cache = StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens).allocate(model, batch)
+    return {"past_key_values": cache}
+
+
+def _transformers_quantized(backend: str) -> Callable[..., dict]:
+    def setup(model, batch: int, max_tokens: int) -> dict:
+        from transformers import QuantizedCache
+
+        try:
+            return {"past_key_values": QuantizedCache(backend=backend, config=model.config, nbits=4)}
+        except Exception as exc:  # a missing or incompatible backend package: the row says which
+            raise CacheUnavailable(f"transformers QuantizedCache({backend}): {_one_line(exc)}") from exc
+
+    return setup
+
+
+def _fp16_dynamic(model, batch: int, max_tokens: int) -> dict:
+    from transformers import DynamicCache
+
+    return {"past_key_values": DynamicCache(config=model.config)}
+
+
+def _fp16_static_compiled(model, batch: int, max_tokens: int) -> dict:
+    _compiled_on_cuda(model)
+    return {"cache_implementation": "static"}  # generate builds it and compiles the decode step
+
+
+def _fp16_static(model, batch: int, max_tokens: int) -> dict:
+    from transformers import StaticCache
+
+    _compiled_on_cuda(model)
+    return {"past_key_values": StaticCache(config=model.config, max_cache_len=max_tokens)}
+
+
+DECODE_CACHES = (  # the first is the paired ratios' baseline
+    DecodeCache("fp16-dynamic", "fp16 DynamicCache eager", "fp16", _fp16_dynamic),
+    DecodeCache("fp16-static-compiled", "fp16 StaticCache compiled", "fp16", _fp16_static_compiled),
+    DecodeCache("kvq-int4", "kvq fused int4 g32 eager", "int4", _kvq_int4),
+    DecodeCache("kvq-int4-static-compiled", "kvq int4 static compiled", "int4", _kvq_int4_static),
+    DecodeCache("quanto-int4", "transformers QuantizedCache quanto int4", "int4", _transformers_quantized("quanto")),
+    DecodeCache("hqq-int4", "transformers QuantizedCache hqq int4", "int4", _transformers_quantized("hqq")),
+    DecodeCache("fp16-static-step", "fp16 StaticCache, compiled step loop", "fp16", _fp16_static, loop="step"),
+    DecodeCache("kvq-int4-static-step", "kvq int4 static, compiled step loop", "int4", _kvq_int4_static, loop="step"),
+    # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
+    # static cache's mask, see kvq.gqa_attention).
+    DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",
+                _fp16_static_compiled, attention=GQA_SDPA_ATTENTION),
+    DecodeCache("fp16-gqa-static-step", "fp16 StaticCache, SDPA enable_gqa, compiled step loop", "fp16", _fp16_static,
+                loop="step", attention=GQA_SDPA_ATTENTION),
+)
+
+
+def decode_caches(names: tuple[str, ...] | None = None) -> tuple[DecodeCache, ...]:
+    if names is None:
+        return DECODE_CACHES
+    known = {cache.name: cache for cache in DECODE_CACHES}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise KvqError(f"unknown decode cache {unknown[0]!r}; known: {', '.join(known)}")
+    return tuple(known[name] for name in names)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _held_bytes(cache) -> int | None:
+    """Bytes of K/V a cache holds, where its layers are kvq's or transformers' plain dynamic and static
+    layers (None for transformers' quantized layers, whose packed tensors are the backends' own)."""
+    from transformers.cache_utils import DynamicLayer, QuantizedLayer, StaticLayer
+
+    from kvq.cache import QuantizedKVCache, held_bytes
+    from kvq.static_cache import StaticQuantizedCache
+
+    if isinstance(cache, (QuantizedKVCache, StaticQuantizedCache)):
+        return cache.memory_bytes()
+    layers = getattr(cache, "layers", None)
+    plain = [isinstance(layer, (DynamicLayer, StaticLayer)) and not isinstance(layer, QuantizedLayer)
+             and isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers or ()]
+    if not plain or not all(plain):
+        return None
+    return held_bytes(t for layer in layers for t in (layer.keys, layer.values))
+
+
+def _fp16_kv_bytes(config, batch: int, tokens: int) -> int:
+    from kvq.apply import kv_geometry
+
+    geometry = kv_geometry(config)
+    return 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * tokens * batch * 2
+
+
+class StepClock:
+    """Marks every generated token on the device's timeline (a CUDA event; the host clock off CUDA), as
+    generate's logits processor or through `tick` from the step loop: the gaps are single decode steps, so
+    ms/token is a median over steps and not a difference of two whole decode calls. Marking adds no host
+    synchronisation, so a path whose host work overlaps the GPU's (a compiled step) is timed as it runs for a
+    user."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+        self.begin()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        self.start = self._mark()
+
+    def tick(self) -> None:
+        self.marks.append(self._mark())
+
+    def __call__(self, input_ids, scores):
+        self.tick()
+        return scores
+
+    def seconds(self) -> tuple[float, list[float]]:
+        """(prompt to first token, every step after it), once the device has caught up."""
+        if not self.cuda:
+            return self.marks[0] - self.start, [b - a for a, b in itertools.pairwise(self.marks)]
+        self.marks[-1].synchronize()
+        return (self.start.elapsed_time(self.marks[0]) / 1e3,
+                [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)])
+
+
+@dataclass
+class _Run:
+    prefill_s: float
+    steps_s: list[float]
+    held_bytes: int | None
+    peak_bytes: int | None
+
+
+def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int,
+               prefill_chunk: int | None = None, attention: str | None = None) -> _Run:
+    """One greedy decode of `tokens` tokens through `loop` ("generate" or "step", see DecodeCache) with
+    generate's keyword arguments `kwargs` (the cache), the prompt prefilled in chunks of `prefill_chunk`
+    tokens if given, under the attention implementation `attention` if named (see decode_routing)."""
+    from transformers import LogitsProcessorList
+
+    cache = kwargs.get("past_key_values")
+    cuda = prompt.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(prompt.device)
+    with torch.no_grad(), decode_routing(model, cache, attention):
+        _synchronize(prompt.device)
+        clock = StepClock(prompt.device)
+        if loop == "step":
+            greedy_step_loop(model, cache, prompt, tokens, prefill_chunk, on_token=clock.tick)
+        else:
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                           min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                           prefill_chunk_size=prefill_chunk, **kwargs)
+    prefill_s, steps_s = clock.seconds()
+    held = _held_bytes(cache if cache is not None else getattr(model, "_cache", None))
+    peak = torch.cuda.max_memory_allocated(prompt.device) if cuda else None
+    return _Run(prefill_s, steps_s, held, peak)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, new_tokens: int,
+                 repeats: int, prefill_chunk: int | None) -> list[dict]:
+    """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
+    one untimed generate of the same length (allocator and kernel warm-up, and a compiled row's
+    compilation); then the caches take turns run by run, with Python's garbage collector held off, so
+    drift in the host's speed (runs of one cache vary by 2x on a shared host) falls on all of them alike.
+    A cache that cannot run (unavailable here, or out of memory) gives a row that says why."""
+    batch, length = prompt.shape
+    max_tokens = length + new_tokens
+    where = {"prompt": length, "batch": batch}
+    skipped, ready = [], []
+    for cache in caches:
+        try:
+            decode_run(model, cache.loop, cache.setup(model, batch, max_tokens), prompt, new_tokens, prefill_chunk,
+                       cache.attention)
+            ready.append(cache)
+        except CacheUnavailable as exc:
+            skipped.append({**where, "cache": cache.label, "skipped": str(exc)})
+        except torch.OutOfMemoryError:
+            skipped.append({**where, "cache": cache.label, "skipped": f"out of memory at batch {batch}"})
+        _release(prompt.device)
+    runs: dict[str, list[_Run]] = {cache.label: [] for cache in ready}
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for cache in ready:
+                runs[cache.label].append(decode_run(model, cache.loop, cache.setup(model, batch, max_tokens),
+                                                     prompt, new_tokens, prefill_chunk, cache.attention))
+    finally:
+        if collecting:
+            gc.enable()
+    run_medians = {label: [statistics.median(run.steps_s) * 1e3 for run in timed] for label, timed in runs.items()}
+    baseline = run_medians[ready[0].label] if ready else []
+    rows = []
+    for cache in ready:
+        timed = runs[cache.label]
+        steps = [step for run in timed for step in run.steps_s]
+        held = timed[-1].held_bytes
+        rows.append({
+            **where, "cache": cache.label, "precision": cache.precision,
+            "ms_per_token": statistics.median(steps) * 1e3, "ms_per_token_mean": statistics.mean(steps) * 1e3,
+            "ms_per_token_runs": run_medians[cache.label],
+            # runs of one repeat are adjacent in time, so their ratio cancels most of the host's drift
+            "paired_ratio_to_first": statistics.median(a / b for a, b in zip(run_medians[cache.label], baseline,
+                                                                              strict=True)),
+            "prefill_s": statistics.median(run.prefill_s for run in timed),
+            "cache_bytes": held,
+            # K/V a step reads: what the cache holds, or for an fp16 cache of unknown layout the prompt's fp16 K/V
+            "kv_read_bytes": held if held is not None else (
+                _fp16_kv_bytes(model.config, batch, length) if cache.precision == "fp16" else None),
+            "peak_bytes": max((run.peak_bytes for run in timed if run.peak_bytes is not None), default=None),
+        })
+    return rows + skipped
+
+
+def _weight_read_bytes(model) -> int:
+    """Weights a decode step reads: every parameter but the input embedding, of which it reads a row."""
+    embedding = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+
+
+def _with_floors(rows: list[dict], weight_bytes: int, bandwidth: float | None) -> list[dict]:
+    """Each row's bandwidth floor (weights + K/V read per step at the measured copy rate), its time's ratio
+    to that floor, its speed against the fastest fp16 row of the same prompt and batch, and how much of the
+    bytes-ideal speedup (that fp16 row's floor over this row's: what the bytes alone allow) the speed reaches."""
+
+    def floor_ms(row: dict) -> float | None:
+        return (weight_bytes + row["kv_read_bytes"]) / bandwidth * 1e3 if bandwidth and row["kv_read_bytes"] else None
+
+    best_fp16 = {}
+    for row in rows:
+        if row.get("precision") == "fp16":
+            key = (row["prompt"], row["batch"])
+            if key not in best_fp16 or row["ms_per_token"] < best_fp16[key]["ms_per_token"]:
+                best_fp16[key] = row
+    for row in rows:
+        if "skipped" in row:
+            continue
+        floor = floor_ms(row)
+        row["floor_ms"] = floor
+        row["ratio_to_floor"] = row["ms_per_token"] / floor if floor else None
+        best = best_fp16.get((row["prompt"], row["batch"]))
+        row["speedup_vs_best_fp16"] = best["ms_per_token"] / row["ms_per_token"] if best else None
+        best_floor = floor_ms(best) if best else None
+        row["bytes_ideal_speedup"] = best_floor / floor if best_floor and floor else None
+        row["fraction_of_bytes_ideal"] = (row["speedup_vs_best_fp16"] / row["bytes_ideal_speedup"]
+                                          if row["bytes_ideal_speedup"] else None)
+    return rows
+
+
+def decode_model(device: str, config) -> torch.nn.Module:
+    """A random-weight fp16 Llama of `config` on `device` (speed does not depend on the weights)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(config, dtype=torch.float16).eval()
+
+
+def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, config=None, repeats: int = 9,
+                 batches=(1,), caches: tuple[DecodeCache, ...] = DECODE_CACHES,
+                 prefill_chunk: int | None = None) -> dict:
+    """ms/token per cache and decode loop at each prompt length and batch (see _decode_rows), on a random-weight
+    fp16 Llama of `config` (Llama-3-8B's by default); every cache prefills in chunks of `prefill_chunk` tokens
+    (generate's prefill_chunk_size) if given."""
+    model = decode_model(device, config or llama3_8b_like())
+    config = model.config
+    bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
+    rows = []
+    for batch in batches:
+        for length in prompts:
+            prompt = torch.randint(0, config.vocab_size, (batch, length), device=device)
+            rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk)
+            _release(prompt.device)
+    return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
+            "prefill_chunk": prefill_chunk,
+            "copy_bandwidth_Bps": bandwidth, "rows": _with_floors(rows, _weight_read_bytes(model), bandwidth)}

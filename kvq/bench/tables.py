@@ -1,0 +1,59 @@
+"""The Markdown tables `kvq bench` prints and appends to RESULTS.md."""
+
+from kvq.bench.timing import LAYERS
+from kvq.ledger import markdown_table
+
+
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def kernels_tables(result: dict) -> str:
+    quantize = markdown_table(
+        ["kernel", "vectors x d", "ns/vec", "GB/s", "of peak BW", "inverse ns/vec", "eager call us",
+         "torch reference us"],
+        [[r["kernel"], f"{r['vectors']} x {r['d']}", _fmt(r["fused_ns_per_vector"], 2), _fmt(r["fused_GBps"]),
+          _fmt(100 * r["fraction_of_peak_bandwidth"] if r["fraction_of_peak_bandwidth"] else None) + "%",
+          _fmt(r["inverse_ns_per_vector"], 2), _fmt(r["eager_call_us"]), _fmt(r["reference_call_us"])]
+         for r in result["quantize"]])
+    attention = markdown_table(
+        ["context", "scales", "fused int4 us", "SDPA fp16 us", "dequant+SDPA us", "vs SDPA fp16", "vs dequant+SDPA",
+         "fused GB/s", "fused eager call us"],
+        [[str(r["context"]), r["scales"], _fmt(r["fused_int4_us"]),
+          _fmt(r["sdpa_fp16_us"]), _fmt(r["dequantize_then_sdpa_us"]),
+          _fmt(r["speedup_vs_sdpa_fp16"], 2) + "x", _fmt(r["speedup_vs_dequantize_then_sdpa"], 2) + "x",
+          _fmt(r["fused_GBps"]), _fmt(r["fused_eager_call_us"])] for r in result["attention"]])
+    peak, copy = result["peak_bandwidth_Bps"], result["copy_bandwidth_Bps"]
+    bandwidth = (f"Datasheet HBM bandwidth {_fmt(peak / 1e12 if peak else None, 2)} TB/s; a device-to-device copy "
+                 f"measured {copy / 1e12:.2f} TB/s (read + write).")
+    timing = ("Kernel columns are CUDA-graph replays (GPU time, no Python launch cost); an attention step is "
+              f"the mean over {LAYERS} distinct layers' caches replayed back to back, as decode reads them, so "
+              "L2 cannot serve a cache from the previous call. 'eager call' columns time the Python call as a "
+              "user makes it.")
+    return "\n\n".join([bandwidth, timing, "Fused quantize (fp16 input):", quantize,
+                        "Decode attention, 32 query / 8 KV heads, d=128, int4 g32 (one step):", attention])
+
+
+def decode_table(result: dict) -> str:
+    mib = 2**20
+    rows = []
+    for r in result["rows"]:
+        if "skipped" in r:
+            rows.append([str(r["prompt"]), str(r["batch"]), r["cache"], "skipped: " + r["skipped"]] + ["-"] * 10)
+            continue
+        rows.append([str(r["prompt"]), str(r["batch"]), r["cache"], _fmt(r["ms_per_token"], 2),
+                     _fmt(r["ms_per_token_mean"], 2), _fmt(r["paired_ratio_to_first"], 3),
+                     _fmt(r["speedup_vs_best_fp16"], 2) + "x" if r["speedup_vs_best_fp16"] else "-",
+                     _fmt(r.get("bytes_ideal_speedup"), 2) + "x" if r.get("bytes_ideal_speedup") else "-",
+                     _fmt(r.get("fraction_of_bytes_ideal"), 2),
+                     _fmt(r["floor_ms"], 2), _fmt(r["ratio_to_floor"], 2), _fmt(r["prefill_s"], 2),
+                     _fmt(r["cache_bytes"] / mib if r["cache_bytes"] is not None else None),
+                     _fmt(r["peak_bytes"] / mib if r["peak_bytes"] is not None else None)])
+    copy = result.get("copy_bandwidth_Bps")
+    floor = ("Floor: (weights read per step + the K/V the cache holds) / the measured device copy rate "
+             f"({copy / 1e12:.2f} TB/s). Bytes-ideal: the fastest fp16 row's floor over the row's floor; 'of ideal': "
+             "the speed vs that row as a fraction of it." if copy else "No bandwidth floor off CUDA.")
+    return floor + "\n\n" + markdown_table(
+        ["prompt", "batch", "cache", "ms/token (median)", "ms/token (mean)", "time vs first row, paired (median)",
+         "speed vs best fp16", "bytes-ideal", "of ideal", "floor ms", "x floor", "prefill s", "cache MiB",
+         "peak MiB"], rows)
