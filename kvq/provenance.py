@@ -96,9 +96,22 @@ def resolve_device(device: str) -> str:
 
 
 def device_name(device: str) -> str:
+    """The card, or for the CPU its model and the instruction set torch's kernels take (AVX2, AVX512, ...): CPU
+    numbers depend on it, as floats summed by other kernels round apart."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    return f"{device} ({platform.processor() or platform.machine()})"
+    if device.startswith("mps"):
+        return f"{device} ({platform.processor() or platform.machine()})"
+    described = (platform.machine(), _cpu_model(), torch.backends.cpu.get_cpu_capability())
+    return f"{device} ({', '.join(part for part in described if part)})"
+
+
+def _cpu_model() -> str | None:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
 def provenance(device: str = "cpu") -> dict:

@@ -1,0 +1,38 @@
+"""One cell measured in two processes on one machine, with one and with two intra-op threads, gives the same
+numbers bit for bit: fp and quantized PPL, every window, KL to fp and the bits it stores."""
+
+import json
+import os
+
+from conftest import requires_models, run_kvq
+
+SPEC = """name: r
+models: [smollm2-135m]
+data: {corpus: shakespeare, seq_len: 64, n_windows: 2, batch_size: 2}
+mode: cache
+grid:
+  quantizer: [srft]
+  bits: [3]
+metrics: [ppl, kld]
+"""
+# what a cell's record measured; the rest says when, where and how long
+MEASURED = ("config", "metrics", "bits_per_element", "quantized_bits_per_element", "stated_bits_per_element",
+            "measured_with")
+
+
+@requires_models
+def test_one_cell_measured_in_two_processes_gives_identical_numbers(tmp_path):
+    (tmp_path / "r.yaml").write_text(SPEC)
+    measured = []
+    for threads in ("1", "2"):
+        runs = tmp_path / f"runs-{threads}"
+        done = run_kvq("sweep", "r.yaml", "--runs-dir", str(runs), "--results", str(tmp_path / "R.md"),
+                       cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": threads})
+        assert done.returncode == 0, done.stderr
+        (cell,) = (runs / "r").glob("*.json")
+        record = json.loads(cell.read_text())
+        assert record["threads"] == int(threads)
+        measured.append({key: record[key] for key in MEASURED})
+    first, second = measured
+    assert first["metrics"]["divergence"]["kld"] > 0 and first["metrics"]["dppl"] != 0
+    assert first == second
