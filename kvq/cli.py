@@ -165,7 +165,9 @@ def sweep(
     try:
         outcome = executors.run(spec, settings, runs_dir, force, device,
                                 cell_progress=lambda cells: tqdm(cells, desc="cells", file=sys.stderr),
-                                window_progress=progress_bar)
+                                # a window bar nests under the cells bar, and nested bars redraw with
+                                # cursor-moving escape codes: on a terminal only, never into a log file
+                                window_progress=progress_bar if sys.stderr.isatty() else None)
     except KeyboardInterrupt:
         typer.echo("kvq: sweep interrupted; finished cells are saved, rerun the same command to resume", err=True)
         sys.exit(130)

@@ -59,7 +59,8 @@ def table_row(finding: str) -> list[str]:
 @requires_models
 def test_a_changed_spec_finding_holds_only_its_own_cells(tmp_path):
     write_spec(tmp_path, seq_len=32)
-    kvq_sweep(tmp_path)
+    logged = kvq_sweep(tmp_path)
+    assert "cells" in logged.stderr and "\x1b[" not in logged.stderr  # a log gets its progress with no escape codes
     (old_id,) = cell_records(tmp_path)
     write_spec(tmp_path, seq_len=24)  # same name, other data: a different cell
     kvq_sweep(tmp_path)
