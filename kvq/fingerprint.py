@@ -48,8 +48,14 @@ def _sha(*chunks: bytes) -> str:
     return h.hexdigest()[:DIGEST_CHARS]
 
 
-def _relative(path: Path) -> str:
-    return path.relative_to(PACKAGE_DIR).as_posix()
+def _is_presentation(path: Path) -> bool:
+    return path.is_relative_to(PACKAGE_DIR) and path.relative_to(PACKAGE_DIR).as_posix() in PRESENTATION_MODULES
+
+
+def _name(path: Path) -> str:
+    """A source's name in a digest: its path beside kvq, or for a quantizer's module kept elsewhere (registered by
+    a user's own code) its file name, so the digest does not depend on where a checkout lies."""
+    return path.relative_to(PACKAGE_DIR.parent).as_posix() if path.is_relative_to(PACKAGE_DIR.parent) else path.name
 
 
 def _module_files(dotted: str) -> list[Path]:
@@ -91,7 +97,7 @@ def _reach(starts: Iterable[Path]) -> set[Path]:
     seen, todo = set(), list(starts)
     while todo:
         path = todo.pop()
-        if path in seen or _relative(path) in PRESENTATION_MODULES:
+        if path in seen or _is_presentation(path):
             continue
         seen.add(path)
         todo.extend(_imports(path))
@@ -112,9 +118,9 @@ def _shared_files() -> frozenset[Path]:
     """What every cell runs: the cell runner's imports, every kernel source, and every measuring module that
     neither the runner nor any quantizer's module reaches (loaded by name, say), since an edit there must not
     leave a result silently current."""
-    measuring = {p for p in PACKAGE_DIR.rglob("*.py") if _relative(p) not in PRESENTATION_MODULES}
+    measuring = {p for p in PACKAGE_DIR.rglob("*.py") if not _is_presentation(p)}
     shared = _reach([PACKAGE_DIR / MEASURING_ENTRY])
-    reached = shared | _reach(_quantizer_modules().values())
+    reached = shared | _reach(p for p in _quantizer_modules().values() if p.is_relative_to(PACKAGE_DIR))
     kernels = {p for p in KERNEL_SOURCES.rglob("*") if p.is_file()}
     return frozenset(shared | (measuring - reached) | kernels)
 
@@ -173,7 +179,7 @@ def code_version(quantizers: frozenset[str] = frozenset()) -> str:
     fixed for a process's life."""
     chunks = []
     for path in measuring_files(quantizers):
-        chunks += [path.relative_to(PACKAGE_DIR.parent).as_posix().encode(), _code(path)]
+        chunks += [_name(path).encode(), _code(path)]
     return _sha(*chunks)
 
 

@@ -86,3 +86,13 @@ def test_toy_passes_the_quantizer_contract(role):
     for granularity in ("per_token", "per_group"):
         assert_packed_layout_round_trips_through_the_ops("toy", granularity)
     assert build_quantizer(QuantSpec("toy", options={"step": 0.5}), Site(0, role, 8)).step == 0.5
+
+
+def test_a_cell_of_the_toy_digests_its_module_beside_the_shared_path():
+    """A quantizer registered outside kvq (here, by this test module) is what its cells run: its source is in their
+    code digest, named by its file name, and in no other cell's."""
+    from kvq.fingerprint import code_version, measuring_files
+
+    toy = [path for path in measuring_files({"toy"}) if path.name == "test_toy_quantizer.py"]
+    assert len(toy) == 1 and toy[0] not in measuring_files({"srft"})
+    assert code_version(frozenset({"toy"})) != code_version(frozenset())
