@@ -5,7 +5,7 @@ timeline, on `kvq bench decode`'s model, for its compiled rows.
 
 A generate row runs one untimed generate (compilation), then two generates under torch.profiler, of 4 and of
 4 + new-tokens tokens: their difference is new-tokens decode steps, the prefill cancelling up to its own
-run-to-run variation. A step-loop row (`kvq.generate.greedy_step_loop`) runs once untimed, then again with the
+run-to-run variation. A step-loop row (`kvq.generate.generate`) runs once untimed, then again with the
 profiler started after its prefill and first steps (the GPU drained first), so its kernels are decode steps
 only. Busy is the sum of the GPU kernels' durations per step; a step longer than its busy time waited on the
 host or on gaps between kernels. The top kernels say which of them fill the busy time.
@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvq.bench.decode import DECODE_CACHES, StepClock, decode_model, decode_run, llama3_8b_like
-from kvq.generate import decode_routing, greedy_step_loop
+from kvq.generate import decode_routing, generate
 
 WARM_STEPS = 4
 
@@ -48,14 +48,14 @@ def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int) ->
     trace = profile(activities=[ProfilerActivity.CUDA])
     clock = StepClock(prompt.device)
 
-    def on_token():
+    def on_token(_):
         if len(clock.marks) == WARM_STEPS:
             torch.cuda.synchronize()
             trace.start()
         clock.tick()
 
     with torch.no_grad(), decode_routing(model, kv):
-        greedy_step_loop(model, kv, prompt, WARM_STEPS + new_tokens + 1, on_token=on_token)
+        generate(model, prompt, kv, WARM_STEPS + new_tokens + 1, on_token=on_token, compiled=True)
     torch.cuda.synchronize()
     trace.stop()
     steps = clock.seconds()[1][WARM_STEPS:]

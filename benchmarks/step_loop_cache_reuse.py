@@ -3,7 +3,7 @@
     python benchmarks/step_loop_cache_reuse.py [--prompts 5] [--prompt 512] [--new-tokens 16]
 
 On a small random Llama (host-bound steps, so the step loop's host work shows), each cache kind decodes the
-same prompt `--prompts` times through `kvq.generate.greedy_step_loop`: first with a fresh cache each time, then
+same prompt `--prompts` times through `kvq.generate.generate`: first with a fresh cache each time, then
 with one cache and `cache.reset()`. Per prompt: the first decode step, the median step, and how many CUDA
 graphs the compiled step has recorded so far (the first prompt also compiles).
 """
@@ -44,7 +44,8 @@ def main() -> None:
                     cache = row.setup(model, 1, max_tokens)["past_key_values"]
                 clock = decode.StepClock(prompt.device)
                 with torch.no_grad(), generate.decode_routing(model, cache):
-                    generate.greedy_step_loop(model, cache, prompt, args.new_tokens, on_token=clock.tick)
+                    generate.generate(model, prompt, cache, args.new_tokens, on_token=clock.tick,
+                                      compiled=True)
                 steps = clock.seconds()[1]
                 print(f"| {row.label} | {'reset' if reuse else 'fresh cache'} | {index + 1} | {steps[0] * 1e3:.2f} | "
                       f"{statistics.median(steps) * 1e3:.2f} | "

@@ -6,8 +6,17 @@ from pathlib import Path
 import typer
 from tqdm import tqdm
 
+from kvq.cli_bench import bench_app
+from kvq.cli_common import (
+    device_option,
+    exact_prefill_option,
+    floats,
+    inline_yaml,
+    parse_options,
+    progress_bar,
+    window_option,
+)
 from kvq.errors import KvqError
-from kvq.quant.spec import parse_scalar
 
 try:  # typer raises its own click fork's usage errors from 0.2x on, click's before
     from typer import TyperException as UsageError
@@ -16,47 +25,6 @@ except ImportError:
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="KV-cache quantization research harness.")
-
-
-def progress_bar(desc: str):
-    return lambda items: tqdm(items, desc=desc, leave=False, file=sys.stderr)
-
-
-def _resolve_device(value: str) -> str:
-    from kvq.provenance import resolve_device
-
-    return resolve_device(value)
-
-
-def device_option():
-    return typer.Option("auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps", callback=_resolve_device)
-
-
-def window_option():
-    return typer.Option(0, min=0, help="cache mode: the recent tokens each query sees exact (kvq.protocol)")
-
-
-def exact_prefill_option():
-    return typer.Option(False, help="cache mode: the first call (the prompt) attends over exact K/V")
-
-
-def _inline_yaml(text: str, flag: str):
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise KvqError(f"{flag}: not YAML: {str(exc).splitlines()[0]}") from None
-
-
-def parse_options(pairs: list[str]) -> dict:
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise KvqError(f"--option takes key=value, got {pair!r}")
-        options[key] = parse_scalar(value)
-    return options
 
 
 @app.command()
@@ -97,7 +65,7 @@ def ppl(
 
     spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option),
                      str(calibration) if calibration else None)
-    site_policy = parse_policy(_inline_yaml(policy, "--policy")) if policy else parse_policy(None)
+    site_policy = parse_policy(inline_yaml(policy, "--policy")) if policy else parse_policy(None)
     data = DataSpec(corpus, seq_len, n_windows, batch_size)
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     bank = make_bank(model, models.load_config(model), spec, site_policy)
@@ -283,13 +251,6 @@ def plot(
         typer.echo(f"wrote {figure}")
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(t) for t in text.split(","))
-    except ValueError as exc:
-        raise KvqError(f"expected comma-separated numbers, got {text!r}") from exc
-
-
 @app.command()
 def lmeval(
     model: str = typer.Option("smollm2-135m"),
@@ -317,7 +278,7 @@ def lmeval(
 
     spec = parse_spec(quant)
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
-    retrieval = RetrievalSpec(tuple(int(x) for x in _floats(lengths)), _floats(depths))
+    retrieval = RetrievalSpec(tuple(int(x) for x in floats(lengths)), floats(depths))
     bank = make_bank(model, models.load_config(model), spec) if spec else None
     lm = models.load(model, device=device)
     folder = write_tasks(lm.tokenizer, retrieval, models.cache_dir() / "tasks")
@@ -362,7 +323,7 @@ def retrieval(
 
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     specs = [parse_spec(q) for q in quant]
-    spec = RetrievalSpec(tuple(int(x) for x in _floats(lengths)), _floats(depths), samples)
+    spec = RetrievalSpec(tuple(int(x) for x in floats(lengths)), floats(depths), samples)
     records = run_retrieval(model, specs, spec, mode, task, out, device, protocol=protocol)
     frame = accuracy_frame(records)
     table = accuracy_table(frame)
@@ -374,74 +335,41 @@ def retrieval(
     typer.echo(f"appended finding {number} to {results}")
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="Kernel and decode speed (JSON under runs/bench, RESULTS.md item).")
+@app.command()
+def generate(
+    prompt: list[str] = typer.Option(..., help="repeatable: one completion per prompt, batched"),
+    model: str = typer.Option("smollm2-135m"),
+    quant: str = typer.Option("fp", help="fp or NAME[:BITS[:GRANULARITY[:GROUP]]][,k=v] with a packed layout"),
+    max_new_tokens: int = typer.Option(64),
+    temperature: float = typer.Option(0.0, help="0: greedy"),
+    top_k: int = typer.Option(0, help="sample from the k most likely tokens (0: all)"),
+    top_p: float = typer.Option(1.0, help="sample from the smallest set of tokens whose probability reaches p"),
+    seed: int = typer.Option(0, help="seeds the sampling"),
+    stop: list[str] = typer.Option([], help="repeatable: one-token stop strings (default: end of sequence)"),
+    window: int = typer.Option(16, min=1, help="quantized cache: the newest tokens kept exact"),
+    device: str = device_option(),
+):
+    """Continue prompts through a static cache (fp16, or a quantizer's packed layout), compiled on CUDA."""
+    from kvq import models
+    from kvq.generate import Sampling, complete
+    from kvq.quant.spec import parse_spec
+
+    sampling = Sampling(temperature, top_k or None, top_p, seed)
+    spec = parse_spec(quant)
+    import torch
+
+    lm = models.load(model, device, torch.float16 if device.startswith("cuda") else torch.float32)
+    stream = (lambda text: typer.echo(text, nl=False)) if len(prompt) == 1 else None
+    texts = complete(lm, prompt, spec, max_new_tokens, sampling=sampling, stop=stop or None, window=window,
+                     on_text=stream)
+    for text in texts if stream is None else ():
+        typer.echo(text)
+        typer.echo("---")
+    if stream is not None:
+        typer.echo()
+
+
 app.add_typer(bench_app, name="bench")
-
-
-def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, results: Path) -> None:
-    from kvq.ledger import append_finding
-    from kvq.provenance import provenance
-    from kvq.report import bench_finding
-    from kvq.store import write_json_atomic
-
-    record = {"bench": kind, "result": result, **provenance(device)}
-    path = out / f"{kind}-{record['timestamp'][:19].replace(':', '')}.json"
-    write_json_atomic(path, record)
-    typer.echo(table)
-    finding = bench_finding(f"kvq {' '.join(sys.argv[1:])}", kind, record, table, path)
-    number = append_finding(results, finding.title, finding.body).number
-    typer.echo(f"wrote {path}; appended finding {number} to {results}")
-
-
-@bench_app.command("kernels")
-def bench_kernels(
-    vectors: int = typer.Option(262144, help="vectors for the quantize kernel"),
-    contexts: str = typer.Option("1024,8192,32768,131072", help="KV lengths for decode attention"),
-    out: Path = typer.Option(Path("runs/bench")),
-    results: Path = typer.Option(Path("RESULTS.md")),
-    device: str = device_option(),
-):
-    """Fused quantize ns/vec, GB/s and fraction of HBM bandwidth; fused int4 decode attention vs SDPA."""
-    from kvq.bench import kernels, tables
-
-    result = kernels.bench_kernels(device, vectors, tuple(int(x) for x in _floats(contexts)))
-    _record_bench("kernels", result, tables.kernels_tables(result), device, out, results)
-
-
-@bench_app.command("decode")
-def bench_decode(
-    prompts: str = typer.Option("8192,32768,131072", help="prompt lengths"),
-    batches: str = typer.Option("1,8", help="batch sizes; a row that does not fit says so"),
-    caches: str = typer.Option("", help="comma-separated subset of: fp16-dynamic, fp16-static-compiled, kvq-int4, "
-                                        "kvq-int4-static-compiled, quanto-int4, hqq-int4, fp16-static-step, "
-                                        "kvq-int4-static-step, fp16-gqa-static-compiled, fp16-gqa-static-step "
-                                        "(default: all)"),
-    new_tokens: int = typer.Option(32),
-    repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
-    prefill_chunk: int = typer.Option(0, help="prefill every prompt in chunks of this many tokens "
-                                             "(generate's prefill_chunk_size; 0: one pass)"),
-    out: Path = typer.Option(Path("runs/bench")),
-    results: Path = typer.Option(Path("RESULTS.md")),
-    device: str = device_option(),
-):
-    """ms/token per cache (HF generate with fp16 eager and compiled, kvq int4, transformers' quantized caches; a
-    compiled step loop over the static caches), with each row's bandwidth floor (Llama-3-8B shapes, random
-    weights)."""
-    from kvq.bench import decode, tables
-
-    if new_tokens < 2:
-        raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
-    if repeats < 1:
-        raise KvqError(f"--repeats must be at least 1, got {repeats}")
-    if prefill_chunk < 0:
-        raise KvqError(f"--prefill-chunk must be 0 (one pass) or a positive number of tokens, got {prefill_chunk}")
-    chosen = decode.decode_caches(tuple(caches.split(",")) if caches else None)
-    lengths, sizes = (tuple(int(x) for x in _floats(text)) for text in (prompts, batches))
-    if min(lengths) < 1 or min(sizes) < 1:
-        raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
-    result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
-                                prefill_chunk=prefill_chunk or None)
-    _record_bench("decode", result, tables.decode_table(result), device, out, results)
 
 
 @app.command("list")

