@@ -60,9 +60,12 @@ def metric_figure(frame: pd.DataFrame, metric: str = "dppl") -> plt.Figure:
     for ax, model in zip(axes[0], model_names, strict=True):
         panel = summary[summary.model == model]
         # A panel of ten series or fewer (e.g. one quantizer under several site policies) gets a colour each;
-        # past that, colour tells the quantizer and marker the granularity.
+        # past that, colour tells the quantizer (from twenty colours past ten quantizers) and marker the granularity.
         colour_key = "series" if panel.series.nunique() <= 10 else "quantizer"
-        colours = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(panel[colour_key]))}
+        keys = list(dict.fromkeys(panel[colour_key]))
+        pairs = plt.get_cmap("tab20").colors  # dark and light shades alternate: the dark ten first
+        palette = [f"C{i}" for i in range(10)] if len(keys) <= 10 else list(pairs[0::2] + pairs[1::2])
+        colours = {g: palette[i % len(palette)] for i, g in enumerate(keys)}
         markers = {g: MARKERS[i % len(MARKERS)] for i, g in enumerate(dict.fromkeys(panel.granularity))}
         for series, points in panel.groupby("series", sort=False):
             points = points.sort_values("bits_per_element")

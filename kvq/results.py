@@ -12,7 +12,7 @@ import pandas as pd
 from kvq.fingerprint import record_digest
 from kvq.policy import parse_policy
 from kvq.protocol import Protocol
-from kvq.quant import QuantSpec
+from kvq.quant import QUANTIZERS, QuantSpec, used_fields
 from kvq.quant.scalar import GROUPED
 from kvq.store import read_json
 
@@ -40,7 +40,10 @@ def _row(record: dict, path: Path) -> dict:
     config = record["config"]
     quant = QuantSpec(**config["quant"])
     unseeded = QuantSpec(**{**config["quant"], "seed": 0})
-    granularity = quant.granularity + (f"-g{quant.group_size}" if quant.granularity in GROUPED else "")
+    # a method that reads no granularity (KIVI, the codebook and engine formats) is drawn as one series of its own
+    reads = used_fields(quant.quantizer) if quant.quantizer in QUANTIZERS else frozenset({"granularity"})
+    granularity = (quant.granularity + (f"-g{quant.group_size}" if quant.granularity in GROUPED else "")
+                   if "granularity" in reads else "")
     protocol = Protocol(**config.get("protocol", {}))
     policy = parse_policy(config.get("policy"))
     suffix = (f" {policy.label()}" if not policy.is_default else "") + (
@@ -52,7 +55,7 @@ def _row(record: dict, path: Path) -> dict:
         "quantizer": quant.quantizer,
         "bits": quant.bits,
         "granularity": granularity,
-        "series": f"{quant.quantizer} {granularity}{suffix}",
+        "series": f"{quant.quantizer} {granularity}".rstrip() + suffix,
         "label": unseeded.label() + suffix,
         "protocol": protocol.label() or "default",
         "config": _config_without_seed(config),
