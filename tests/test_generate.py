@@ -290,11 +290,10 @@ def test_kvq_generate_on_a_built_in_model_continues_each_prompt_as_transformers_
                    "--device", "cpu", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     texts = done.stdout.split("\n---\n")
-    for prompt, text in zip(prompts, texts, strict=False):
+    for prompt, text in zip(prompts, texts[:2], strict=True):
         ids = lm.tokenizer(prompt, return_tensors="pt")["input_ids"]
         with torch.no_grad():
             out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                                     pad_token_id=lm.tokenizer.eos_token_id)
         expected = lm.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        eos = lm.tokenizer.eos_token_id
-        assert text.strip("\n") == expected or eos in out[0, ids.shape[1]:].tolist()
+        assert text.strip("\n") == expected
