@@ -362,11 +362,12 @@ def generate(
     stream = (lambda text: typer.echo(text, nl=False)) if len(prompt) == 1 else None
     texts = complete(lm, prompt, spec, max_new_tokens, sampling=sampling, stop=stop or None, window=window,
                      on_text=stream)
-    for text in texts if stream is None else ():
-        typer.echo(text)
-        typer.echo("---")
     if stream is not None:
         typer.echo()
+        return
+    for text in texts:
+        typer.echo(text)
+        typer.echo("---")
 
 
 app.add_typer(bench_app, name="bench")

@@ -103,8 +103,11 @@ def left_padded(prompts: torch.Tensor | Sequence[Sequence[int] | torch.Tensor], 
         rows = list(prompts)
     else:
         rows = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
-    if not rows or any(row.dim() != 1 or row.numel() == 0 for row in rows):
-        raise KvqError("every prompt needs at least one token")
+    if not rows:
+        raise KvqError("--prompt: give at least one prompt")
+    for index, row in enumerate(rows):
+        if row.dim() != 1 or row.numel() == 0:
+            raise KvqError(f"--prompt {index + 1} is empty: every prompt needs at least one token")
     length = max(row.numel() for row in rows)
     ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
@@ -171,7 +174,8 @@ def generate(model, prompts, cache, max_new_tokens: int, *, sampling: Sampling =
             if stops.numel() and i % STOP_POLL == 0 and bool(done.all()):
                 break
             visible = None if mask is None else mask[:, :capacity or length + i]
-            out = step(model, cache, token, cache_position, row_position, visible, keyword).clone()  # graph output reused
+            # cloned: a CUDA graph reuses its output buffer at the next replay
+            out = step(model, cache, token, cache_position, row_position, visible, keyword).clone()
             token = out if sampling.greedy else choose(out, sampling, generator)
             token = token.masked_fill(done[:, None], pad_token_id)
             done |= torch.isin(token[:, 0], stops)
@@ -214,9 +218,6 @@ def complete(lm, prompts: Sequence[str], spec, max_new_tokens: int, *, sampling:
     (None: the tokenizer's end-of-sequence token). `on_text` streams a single prompt's text as it is decoded."""
     tokenizer = lm.tokenizer
     ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
-    for index, row in enumerate(ids):
-        if not row:
-            raise KvqError(f"--prompt {index + 1} is empty: every prompt needs at least one token")
     stop_ids = [tokenizer.eos_token_id] if stop is None and tokenizer.eos_token_id is not None else []
     for text in stop or ():
         encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -224,14 +225,18 @@ def complete(lm, prompts: Sequence[str], spec, max_new_tokens: int, *, sampling:
             raise KvqError(f"--stop {text!r} is {len(encoded)} tokens; a stop string must be one token")
         stop_ids += encoded
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    longest = max(len(row) for row in ids)
+    longest = max((len(row) for row in ids), default=0)
     cache = static_cache(lm.model, spec, len(ids), longest + max_new_tokens, window)
     shown: list[int] = []
+    text = ""
 
     def stream(token: torch.Tensor) -> None:
-        before = tokenizer.decode(shown, skip_special_tokens=True)
+        # the whole text is decoded again (a token alone may be half a character); only what it adds is sent
+        nonlocal text
         shown.append(int(token[0, 0]))
-        on_text(tokenizer.decode(shown, skip_special_tokens=True)[len(before):])
+        longer = tokenizer.decode(shown, skip_special_tokens=True)
+        on_text(longer[len(text):])
+        text = longer
 
     with torch.no_grad(), decode_routing(lm.model, cache, None if spec is not None else GQA_SDPA_ATTENTION):
         rows = generate(lm.model, ids, cache, max_new_tokens, sampling=sampling, stop_tokens=stop_ids,

@@ -5,21 +5,18 @@ padded batch, fp16 or kvq's static cache), seeded sampling, stop tokens, cache r
 import pytest
 import torch
 from conftest import requires_cuda, requires_models, run_kvq
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvq import generate
-from kvq.apply import QuantizerBank, kv_geometry
 from kvq.errors import KvqError
 from kvq.gqa_attention import GQA_SDPA_ATTENTION
 from kvq.quant import QuantSpec
-from kvq.static_cache import StaticQuantizedCache, StaticQuantizedLayer
+from kvq.static_cache import StaticQuantizedLayer
 
 
 def _static_cache(kind: str, model, batch: int, max_tokens: int):
-    if kind in ("fp16", "fp16-gqa"):
-        return StaticCache(config=model.config, max_cache_len=max_tokens)
-    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 16), kv_geometry(model.config))
-    return StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens, window=8).allocate(model, batch)
+    spec = None if kind in ("fp16", "fp16-gqa") else QuantSpec("srft", 4, "per_group", 16)
+    return generate.static_cache(model, spec, batch, max_tokens, window=8)
 
 
 def _wide_model(device: str):

@@ -14,7 +14,7 @@ import torch
 
 from kvq.bench.timing import copy_bandwidth
 from kvq.errors import KvqError
-from kvq.generate import decode_routing, generate
+from kvq.generate import decode_routing, generate, static_cache
 from kvq.gqa_attention import GQA_SDPA_ATTENTION
 
 
@@ -60,14 +60,10 @@ def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
 
 
 def _kvq_int4_static(model, batch: int, max_tokens: int) -> dict:
-    from kvq.apply import QuantizerBank, kv_geometry
     from kvq.quant import QuantSpec
-    from kvq.static_cache import StaticQuantizedCache
 
     _compiled_on_cuda(model)
-    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 32), kv_geometry(model.config))
-    cache = StaticQuantizedCache(bank, model.config, max_cache_len=max_tokens).allocate(model, batch)
-    return {"past_key_values": cache}
+    return {"past_key_values": static_cache(model, QuantSpec("srft", 4, "per_group", 32), batch, max_tokens)}
 
 
 def _transformers_quantized(backend: str) -> Callable[..., dict]:
@@ -94,10 +90,8 @@ def _fp16_static_compiled(model, batch: int, max_tokens: int) -> dict:
 
 
 def _fp16_static(model, batch: int, max_tokens: int) -> dict:
-    from transformers import StaticCache
-
     _compiled_on_cuda(model)
-    return {"past_key_values": StaticCache(config=model.config, max_cache_len=max_tokens)}
+    return {"past_key_values": static_cache(model, None, batch, max_tokens)}
 
 
 DECODE_CACHES = (  # the first is the paired ratios' baseline
