@@ -2,7 +2,8 @@
 
 - `code_version`: the kvq sources a cell's measurement runs, read as code: the shared measuring path (the
   modules the cell runner imports, every kernel source, and any module nothing reaches statically), plus the
-  modules of the cell's own quantizers and what they import. Comments, docstrings and layout are left out, so
+  modules of the cell's own quantizers and what they import, plus those of the metrics it measures beyond
+  perplexity (lm-eval tasks), which a perplexity cell never imports. Comments, docstrings and layout are left out, so
   rewording a comment keeps results current, while any change to what runs makes the cells that run it
   stale, and only those: an edit to `kvq/quant/qjl.py` stales QJL's cells. A new module is shared until it
   is listed here as presentation or reached only from a quantizer's module, so an unlisted change can only
@@ -35,6 +36,13 @@ PRESENTATION_MODULES = frozenset({
     "executors/__init__.py", "executors/driver.py", "executors/ray_backend.py", "executors/settings.py",
     "executors/slurm_backend.py", "executors/worker.py",
 })
+# Modules only a metric's measurement imports, by the metric's name: the runner reaches them through that metric
+# alone, so they are digested for the cells that measure it, never for a perplexity cell (a test runs one and
+# checks that it imports none of them).
+METRIC_MODULES = {
+    "lmeval": frozenset({"haystack.py", "lmeval.py", "longctx.py", "retrieval.py", "ruler.py", "tasks/__init__.py",
+                         "tasks/scoring.py"}),
+}
 # What measures every cell, whichever executor runs it.
 MEASURING_ENTRY = "sweep.py"
 KERNEL_SOURCES = PACKAGE_DIR / "kernels" / "csrc"
@@ -49,8 +57,16 @@ def _sha(*chunks: bytes) -> str:
     return h.hexdigest()[:DIGEST_CHARS]
 
 
+def _in(path: Path, names: frozenset[str]) -> bool:
+    return path.is_relative_to(PACKAGE_DIR) and path.relative_to(PACKAGE_DIR).as_posix() in names
+
+
 def _is_presentation(path: Path) -> bool:
-    return path.is_relative_to(PACKAGE_DIR) and path.relative_to(PACKAGE_DIR).as_posix() in PRESENTATION_MODULES
+    return _in(path, PRESENTATION_MODULES)
+
+
+def _is_metric_module(path: Path) -> bool:
+    return any(_in(path, names) for names in METRIC_MODULES.values())
 
 
 def _name(path: Path) -> str:
@@ -92,13 +108,13 @@ def _imports(path: Path) -> frozenset[Path]:
     return frozenset(found)
 
 
-def _reach(starts: Iterable[Path]) -> set[Path]:
+def _reach(starts: Iterable[Path], within_metrics: bool = False) -> set[Path]:
     """The measuring modules `starts` import, directly or through each other (presentation modules are neither
-    digested nor followed)."""
+    digested nor followed; metric modules only when `within_metrics`)."""
     seen, todo = set(), list(starts)
     while todo:
         path = todo.pop()
-        if path in seen or _is_presentation(path):
+        if path in seen or _is_presentation(path) or (_is_metric_module(path) and not within_metrics):
             continue
         seen.add(path)
         todo.extend(_imports(path))
@@ -119,17 +135,25 @@ def _shared_files() -> frozenset[Path]:
     """What every cell runs: the cell runner's imports, every kernel source, and every measuring module that
     neither the runner nor any quantizer's module reaches (loaded by name, say), since an edit there must not
     leave a result silently current."""
-    measuring = {p for p in PACKAGE_DIR.rglob("*.py") if not _is_presentation(p)}
+    measuring = {p for p in PACKAGE_DIR.rglob("*.py") if not _is_presentation(p) and not _is_metric_module(p)}
     shared = _reach([PACKAGE_DIR / MEASURING_ENTRY])
     reached = shared | _reach(p for p in _quantizer_modules().values() if p.is_relative_to(PACKAGE_DIR))
     kernels = {p for p in KERNEL_SOURCES.rglob("*") if p.is_file()}
     return frozenset(shared | (measuring - reached) | kernels)
 
 
-def measuring_files(quantizers: Iterable[str] = ()) -> list[Path]:
-    """The sources a measurement with these quantizers runs (none: an fp baseline's)."""
+def _metric_files(metric: str) -> set[Path]:
+    return _reach((PACKAGE_DIR / name for name in METRIC_MODULES[metric] if (PACKAGE_DIR / name).is_file()),
+                  within_metrics=True)
+
+
+def measuring_files(quantizers: Iterable[str] = (), metrics: Iterable[str] = ()) -> list[Path]:
+    """The sources a measurement with these quantizers (none: fp) of these metrics beyond perplexity runs."""
     modules = _quantizer_modules()
-    return sorted(_shared_files() | _reach(modules[name] for name in quantizers))
+    files = _shared_files() | _reach(modules[name] for name in quantizers)
+    for metric in metrics:
+        files |= _metric_files(metric)
+    return sorted(files)
 
 
 def _normal_form(node) -> str:
@@ -175,11 +199,11 @@ def _code(path: Path) -> bytes:
 
 
 @cache
-def code_version(quantizers: frozenset[str] = frozenset()) -> str:
-    """Digest of the sources a measurement with these quantizers runs (names and code; none: an fp baseline's);
-    fixed for a process's life."""
+def code_version(quantizers: frozenset[str] = frozenset(), metrics: frozenset[str] = frozenset()) -> str:
+    """Digest of the sources a measurement with these quantizers (none: fp) of these metrics runs (names and
+    code); fixed for a process's life."""
     chunks = []
-    for path in measuring_files(quantizers):
+    for path in measuring_files(quantizers, metrics):
         chunks += [_name(path).encode(), _code(path)]
     return _sha(*chunks)
 
@@ -189,10 +213,12 @@ def device_kind(device: str) -> str:
     return device.split(":", 1)[0]
 
 
-def measuring_context(device: str, quantizers: Iterable[str] = ()) -> dict[str, str | None]:
-    """What a number measured now with these quantizers (none: fp) depends on besides its config and data."""
+def measuring_context(device: str, quantizers: Iterable[str] = (),
+                      metrics: Iterable[str] = ()) -> dict[str, str | None]:
+    """What a number measured now with these quantizers (none: fp) of these metrics beyond perplexity depends on
+    besides its config and data."""
     installed = versions()
-    return {"code": code_version(frozenset(quantizers)), "torch": installed["torch"],
+    return {"code": code_version(frozenset(quantizers), frozenset(metrics)), "torch": installed["torch"],
             "transformers": installed["transformers"], "device": device_kind(device)}
 
 

@@ -19,6 +19,7 @@ CELL_FORMAT = "kvq-cell/2"
 BASELINE_FORMAT = "kvq-baseline/1"
 PPL_BASELINE = "ppl"
 LMEVAL_BASELINE = "lmeval:"  # + task name
+LMEVAL_METRIC = "lmeval"
 CLAIMS = ".claims"  # lock files: who is computing which cell or baseline right now
 NOT_RUN = "not run yet"
 
@@ -46,7 +47,7 @@ class RecordBook:
         return self.directory / CLAIMS / f"{name}.lock"
 
     def context(self, cell: Cell) -> dict:
-        context = measuring_context(self.device, quantizers_of(cell.config()))
+        context = measuring_context(self.device, quantizers_of(cell.config()), metrics_of(cell))
         if cell.quant.calibration:
             context["calibration"] = file_digest(cell.quant.calibration)
         return context
@@ -56,8 +57,8 @@ class RecordBook:
             self._corpora[corpus] = corpus_digest(corpus)
         return self._corpora[corpus]
 
-    def _baseline(self, prefix: str, key: dict) -> Baseline:
-        key = {**key, **measuring_context(self.device)}
+    def _baseline(self, prefix: str, key: dict, metrics: tuple[str, ...] = ()) -> Baseline:
+        key = {**key, **measuring_context(self.device, (), metrics)}
         return Baseline(key, self.directory / "baselines" / f"{prefix}{record_digest(key)}.json")
 
     def baselines(self, cell: Cell) -> dict[str, Baseline]:
@@ -68,7 +69,7 @@ class RecordBook:
         for task in cell.lmeval_tasks:
             found[LMEVAL_BASELINE + task] = self._baseline("lmeval-", {
                 "model": cell.model, "mode": cell.mode, "task": task, **cell.lmeval.to_dict(),
-                "lm_eval": versions()["lm_eval"]})
+                "lm_eval": versions()["lm_eval"]}, (LMEVAL_METRIC,))
         return found
 
     def staleness(self, cell: Cell) -> str | None:
@@ -93,6 +94,11 @@ class RecordBook:
             if raw["baselines"].get(name) != baseline_fingerprint(current):
                 return f"stale: its {name} fp baseline changed"
         return None
+
+
+def metrics_of(cell: Cell) -> tuple[str, ...]:
+    """The metrics beyond perplexity a cell measures, as kvq.fingerprint names their modules."""
+    return (LMEVAL_METRIC,) if cell.lmeval_tasks else ()
 
 
 def quantizers_of(config: dict) -> set[str]:

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import requires_models
 
 from kvq import fingerprint
 from kvq.fingerprint import PACKAGE_DIR, _code, c_code, measuring_files, python_code
@@ -54,6 +55,17 @@ __device__ float scale(float x) {
     return x  *  0.5f;
 }
 '''
+
+
+PERPLEXITY_SPEC = """name: r
+models: [smollm2-135m]
+data: {corpus: shakespeare, seq_len: 32, n_windows: 2, batch_size: 2}
+mode: cache
+grid:
+  quantizer: [srft, kivi]
+  bits: [2]
+metrics: [ppl, kld]
+"""
 
 
 def test_comments_docstrings_and_layout_leave_the_code_unchanged():
@@ -131,31 +143,63 @@ def test_the_code_of_every_measuring_source_is_the_same_under_another_python_ver
     assert there == here
 
 
-def _digests(package: Path, quantizer_sets: list[frozenset[str]]) -> list[str]:
-    """code_version of each quantizer set, computed by a fresh process from the kvq package at `package`."""
+def _digests(package: Path, cells: list[tuple[frozenset[str], frozenset[str]]]) -> list[str]:
+    """code_version of each (quantizers, metrics) pair, computed by a fresh process from the kvq package at
+    `package`."""
     script = ("import sys; from kvq.fingerprint import code_version; "
-              "print(*(code_version(frozenset(s.split(',')) - {''}) for s in sys.argv[1:]))")
-    done = subprocess.run([sys.executable, "-c", script, *(",".join(sorted(s)) for s in quantizer_sets)],
-                          cwd=package.parent, capture_output=True, text=True, check=True,
-                          env={"PATH": "", "PYTHONPATH": str(package.parent)})
+              "print(*(code_version(*(frozenset(part.split(',')) - {''} for part in s.split('|'))) "
+              "for s in sys.argv[1:]))")
+    arguments = [",".join(sorted(quantizers)) + "|" + ",".join(sorted(metrics)) for quantizers, metrics in cells]
+    done = subprocess.run([sys.executable, "-c", script, *arguments], cwd=package.parent, capture_output=True,
+                          text=True, check=True, env={"PATH": "", "PYTHONPATH": str(package.parent)})
     return done.stdout.split()
 
 
-@pytest.mark.parametrize("edit", ["quantizer", "shared", "comment"])
+@pytest.mark.parametrize("edit", ["quantizer", "shared", "comment", "metric"])
 def test_an_edit_stales_the_cells_that_run_what_it_changed_and_no_others(tmp_path, edit):
     """A cell's code digest covers what its measurement runs: an edit to one quantizer's module changes only the
-    digests of cells that use it, an edit to the shared path changes every digest (the fp baseline's too), and
-    an edit to a comment changes none."""
+    digests of cells that use it, an edit to the shared path changes every digest (the fp baseline's too), an
+    edit to a module only lm-eval tasks run changes only the digests of cells that measure them, and an edit to
+    a comment changes none."""
     package = tmp_path / "kvq"
     shutil.copytree(PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
-    cells = [frozenset(), frozenset({"qjl"}), frozenset({"turbo"}), frozenset({"kivi"}), frozenset({"srft"}),
-             frozenset({"srft", "qjl"})]
+    none, lmeval = frozenset(), frozenset({"lmeval"})
+    cells = [(frozenset(), none), (frozenset({"qjl"}), none), (frozenset({"turbo"}), none),
+             (frozenset({"kivi"}), none), (frozenset({"srft"}), none), (frozenset({"srft", "qjl"}), none),
+             (frozenset(), lmeval), (frozenset({"kivi"}), lmeval)]
     before = _digests(package, cells)
     target, line = {"quantizer": ("quant/qjl.py", "_EDITED = 1\n"), "shared": ("apply.py", "_EDITED = 1\n"),
-                    "comment": ("quant/qjl.py", "# a reworded note\n")}[edit]
+                    "comment": ("quant/qjl.py", "# a reworded note\n"), "metric": ("longctx.py", "_EDITED = 1\n")}[edit]
     with (package / target).open("a") as source:
         source.write(line)
     after = _digests(package, cells)
-    changed = [set(cell) for cell, old, new in zip(cells, before, after, strict=True) if old != new]
-    expected = {"quantizer": [{"qjl"}, {"srft", "qjl"}], "shared": [set(cell) for cell in cells], "comment": []}
+    changed = [cell for cell, old, new in zip(cells, before, after, strict=True) if old != new]
+    expected = {"quantizer": [(frozenset({"qjl"}), none), (frozenset({"srft", "qjl"}), none)], "shared": cells,
+                "comment": [], "metric": [(frozenset(), lmeval), (frozenset({"kivi"}), lmeval)]}
     assert changed == expected[edit]
+
+
+@requires_models
+def test_a_perplexity_cell_imports_no_module_of_another_metric(tmp_path):
+    """What keeps lm-eval's modules out of a perplexity cell's digest: measuring perplexity and KL never
+    imports them."""
+    (tmp_path / "r.yaml").write_text(PERPLEXITY_SPEC)
+    script = textwrap.dedent("""
+        import sys
+        from kvq.cli import main
+        from kvq.fingerprint import METRIC_MODULES, PACKAGE_DIR
+        sys.argv = ["kvq", "sweep", "r.yaml", "--runs-dir", "runs", "--results", "R.md"]
+        try:
+            main()
+        except SystemExit as exit:
+            assert not exit.code, exit.code
+        names = {name for modules in METRIC_MODULES.values() for name in modules}
+        loaded = [m.__name__ for m in list(sys.modules.values())
+                  if getattr(m, "__file__", None) and m.__file__.startswith(str(PACKAGE_DIR))
+                  and m.__file__[len(str(PACKAGE_DIR)) + 1:] in names]
+        print("loaded", loaded)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(list((tmp_path / "runs" / "r").glob("*.json"))) == 2
+    assert "loaded []" in done.stdout, done.stdout
