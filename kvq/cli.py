@@ -255,45 +255,77 @@ def plot(
 def lmeval(
     model: str = typer.Option("smollm2-135m"),
     quant: str = typer.Option("fp", help="fp, or NAME[:BITS[:GRANULARITY[:GROUP]]][,key=value...]"),
-    tasks: str = typer.Option("kvq_passkey", help="comma-separated lm-eval tasks (kvq_passkey, kvq_vt or any)"),
-    limit: int | None = typer.Option(None),
+    suite: str | None = typer.Option(None, help="ruler: RULER's synthetic tasks, offline, at --lengths"),
+    tasks: str | None = typer.Option(None, help="comma-separated lm-eval tasks (default kvq_passkey; with "
+                                                  "--suite ruler, its 11 synthetic tasks)"),
+    limit: int | None = typer.Option(None, help="documents per task (per task and length with --suite ruler)"),
     mode: str = typer.Option("cache"),
     window: int = window_option(),
     exact_prefill: bool = exact_prefill_option(),
-    lengths: str = typer.Option("512,1024", help="kvq_* task context lengths in tokens"),
+    lengths: str = typer.Option("512,1024", help="context lengths in tokens: of kvq_* tasks, or of --suite ruler"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", help="kvq_* task needle depths"),
+    max_new_tokens: int | None = typer.Option(None, help="--suite ruler: tokens generated per answer (default: "
+                                                         "each task's own)"),
     device: str = device_option(),
     json_out: Path | None = typer.Option(None, "--json"),
 ):
-    """lm-eval tasks with a quantized KV cache (loglikelihood and generation requests)."""
+    """lm-eval tasks with a quantized KV cache (loglikelihood and generation requests), or RULER's suite."""
     from kvq import models
     from kvq.apply import check_mode, check_protocol
     from kvq.experiment import make_bank
-    from kvq.lmeval import QuantizedHFLM, evaluate, per_sample
-    from kvq.longctx import RetrievalSpec, write_tasks
     from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant.spec import parse_spec
     from kvq.store import write_json_atomic
 
+    if suite not in (None, "ruler"):
+        raise KvqError(f"--suite {suite} is not a suite kvq runs; it runs ruler")
     spec = parse_spec(quant)
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
-    retrieval = RetrievalSpec(tuple(int(x) for x in floats(lengths)), floats(depths))
+    length_list = [int(x) for x in floats(lengths)]
+    if suite == "ruler":
+        from kvq.report import ruler_table
+        from kvq.ruler import (
+            SYNTHETIC_TASKS,
+            UNAVAILABLE_OFFLINE,
+            check_installed,
+            check_lengths,
+            check_tasks,
+            run_ruler,
+        )
+
+        task_list = check_tasks(tasks.split(",") if tasks else list(SYNTHETIC_TASKS))
+        check_installed()
+        check_lengths(length_list, models.load_config(model))
+    else:
+        task_list = (tasks or "kvq_passkey").split(",")
     bank = make_bank(model, models.load_config(model), spec) if spec else None
+    bits = bank.measured_bits_per_element() if bank else 16.0
     lm = models.load(model, device=device)
-    folder = write_tasks(lm.tokenizer, retrieval, models.cache_dir() / "tasks")
-    task_list = tasks.split(",")
-    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
-    results = evaluate(harness, task_list, limit, folder)
-    for task, metrics in results["results"].items():
-        shown = {k: v for k, v in metrics.items() if isinstance(v, float)}
-        typer.echo(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+    record = {"model": model, "mode": mode, "protocol": protocol.to_dict(), "quant": spec.to_dict() if spec else None,
+              "bits_per_element": bits}
+    if suite == "ruler":
+        result = run_ruler(lm, bank, mode, task_list, length_list, limit, device, protocol, max_new_tokens)
+        typer.echo(ruler_table(result["scores"], result["suite"]))
+        typer.echo(f"bits/element {bits:.4f}; unavailable offline: {', '.join(UNAVAILABLE_OFFLINE)}")
+        record = {"format": "kvq-ruler/1", **record, "lengths": length_list, "max_new_tokens": max_new_tokens,
+                  "scores": result["scores"], "suite": result["suite"], "samples": result["samples"],
+                  "unavailable_offline": list(UNAVAILABLE_OFFLINE)}
+    else:
+        from kvq.lmeval import QuantizedHFLM, evaluate, per_sample
+        from kvq.longctx import RetrievalSpec, write_tasks
+
+        folder = write_tasks(lm.tokenizer, RetrievalSpec(tuple(length_list), floats(depths)),
+                             models.cache_dir() / "tasks")
+        harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
+        results = evaluate(harness, task_list, limit, folder)
+        for task, metrics in results["results"].items():
+            shown = {k: v for k, v in metrics.items() if isinstance(v, float)}
+            typer.echo(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+        record = {"format": "kvq-lmeval/1", **record, "results": results["results"],
+                  "samples": {t: per_sample(results, t) for t in task_list}}
     if json_out:
-        record = {"format": "kvq-lmeval/1", "model": model, "mode": mode, "protocol": protocol.to_dict(),
-                  "quant": spec.to_dict() if spec else None,
-                  "results": results["results"], "samples": {t: per_sample(results, t) for t in task_list},
-                  "bits_per_element": bank.measured_bits_per_element() if bank else 16.0, **provenance(device)}
-        write_json_atomic(json_out, record)
+        write_json_atomic(json_out, {**record, **provenance(device)})
         typer.echo(f"wrote {json_out}")
 
 
@@ -301,7 +333,7 @@ def lmeval(
 def retrieval(
     model: str = typer.Option("qwen2.5-coder-0.5b"),
     quant: list[str] = typer.Option(["fp", "int:4"], help="repeatable: fp or NAME[:BITS[:GRANULARITY[:GROUP]]][,k=v]"),
-    task: str = typer.Option("kvq_passkey", help="kvq_passkey or kvq_vt"),
+    task: str = typer.Option("kvq_passkey", help="kvq_passkey, kvq_vt or kvq_niah (needle-in-a-haystack)"),
     lengths: str = typer.Option("512,1024,2048"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1"),
     samples: int = typer.Option(1, help="documents per (length, depth)"),

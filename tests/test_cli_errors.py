@@ -56,6 +56,9 @@ NO_MODEL = [
     (["sweep", "policy-field.yaml"], "field 'policy.v.bitz': unknown field"),
     (["ppl", "--policy", "{k: [8]}"], "policy.k: expected a mapping"),
     (["ppl", "--policy", "{k: {bits: 8}"], "--policy: not YAML"),
+    (["lmeval", "--suite", "ruler", "--tasks", "niah_single_9"], "--tasks: niah_single_9 is not a RULER task"),
+    (["lmeval", "--suite", "ruler", "--tasks", "ruler_qa_squad"], "reads SQuAD v2 from the hub"),
+    (["lmeval", "--suite", "longbench"], "--suite longbench is not a suite kvq runs"),
 ]
 WITH_MODEL = [
     (["ppl", "--bits", "1"], "bits"),
@@ -74,6 +77,8 @@ WITH_MODEL = [
      "mlx affine stores blocks of 48 coordinates; head_dim 64 is not a multiple of 48"),
     (["ppl", "--quant", "ggml", "--option", "type=q3_k"], "ggml option 'type' must be one of q4_0"),
     (["ppl", "--quant", "fp8", "--option", "scale=channel"], "fp8 option 'scale' must be one of unit"),
+    (["lmeval", "--suite", "ruler", "--lengths", "16384"], "--lengths 16384 is over the model's context of 8192"),
+    (["lmeval", "--lengths", "70", "--limit", "1"], "--lengths 70 leaves no room for filler text: the prompt"),
 ]
 
 

