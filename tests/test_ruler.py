@@ -15,7 +15,8 @@ from kvq import haystack
 from kvq.errors import KvqError
 
 ruler = pytest.importorskip("kvq.ruler")
-LENGTH = 1024  # SmolLM2-135M finds a single needle in lm-eval's repeated haystack at this length
+LENGTH = 1024
+SMOKE_LENGTH = 2048  # SmolLM2-135M finds a single needle in lm-eval's repeated haystack at this length
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ def test_offline_haystacks_give_lm_evals_own_documents_for_the_same_essays(monke
 
 
 @requires_models
-@pytest.mark.model
+@pytest.mark.long_context
 def test_ruler_runs_offline_and_int2_per_token_loses_the_needle_fp_finds(no_network):
     from lm_eval.tasks.ruler.common_utils import process_results
 
@@ -91,13 +92,14 @@ def test_ruler_runs_offline_and_int2_per_token_loses_the_needle_fp_finds(no_netw
     bank = make_bank("smollm2-135m", lm.model.config, parse_spec("int:2:per_token"))
     scores = {}
     for name, quantizers in (("fp", None), ("int-2", bank)):
-        result = ruler.run_ruler(lm, quantizers, "cache", ["niah_single_1"], [LENGTH], limit=4, max_new_tokens=12)
-        rows = result["samples"]["niah_single_1"][str(LENGTH)]
+        result = ruler.run_ruler(lm, quantizers, "cache", ["niah_single_1"], [SMOKE_LENGTH], limit=4,
+                                 max_new_tokens=12)
+        rows = result["samples"]["niah_single_1"][str(SMOKE_LENGTH)]
         assert len(rows) == 4
         for row in rows:  # lm-eval's RULER score of the answer
-            doc = {"max_length": LENGTH, "outputs": row["outputs"]}
-            assert row["score"] == process_results(doc, [row["response"]])[str(LENGTH)]
-        scores[name] = result["scores"]["niah_single_1"][str(LENGTH)]["mean"]
+            doc = {"max_length": SMOKE_LENGTH, "outputs": row["outputs"]}
+            assert row["score"] == process_results(doc, [row["response"]])[str(SMOKE_LENGTH)]
+        scores[name] = result["scores"]["niah_single_1"][str(SMOKE_LENGTH)]["mean"]
     assert scores["fp"] >= 0.75 and scores["fp"] > scores["int-2"]
 
 
@@ -122,7 +124,7 @@ def test_the_cli_lists_ruler(tmp_path):
 
 
 @requires_models
-@pytest.mark.model
+@pytest.mark.long_context
 def test_a_ruler_metric_runs_in_sweep_cells_offline(tmp_path, no_network):
     """lmeval:TASK@LENGTH puts a RULER score, its interval and its fp baseline's into a cell, with no socket."""
     from kvq.records import RecordBook
