@@ -4,7 +4,6 @@ import sys
 from pathlib import Path
 
 import typer
-from tqdm import tqdm
 
 from kvq.cli_bench import bench_app
 from kvq.cli_common import (
@@ -12,6 +11,7 @@ from kvq.cli_common import (
     exact_prefill_option,
     floats,
     inline_yaml,
+    outer_progress,
     parse_options,
     progress_bar,
     window_option,
@@ -132,7 +132,7 @@ def sweep(
         return
     try:
         outcome = executors.run(spec, settings, runs_dir, force, device,
-                                cell_progress=lambda cells: tqdm(cells, desc="cells", file=sys.stderr),
+                                cell_progress=outer_progress("cells"),
                                 # a window bar nests under the cells bar, and nested bars redraw with
                                 # cursor-moving escape codes: on a terminal only, never into a log file
                                 window_progress=progress_bar if sys.stderr.isatty() else None)
@@ -222,7 +222,7 @@ def calibrate(
     cfg = CalibrationConfig(model, base, learn, bits, granularity, group_size, steps, lr, reflectors, seed, mode,
                             n_windows, seq_len, max_vectors)
     meta = run_calibration(cfg, out, device, window_progress=progress_bar("capture"),
-                           step_progress=lambda steps: tqdm(steps, desc=f"{learn} steps", file=sys.stderr))
+                           step_progress=outer_progress(f"{learn} steps"))
     before, after = sum(meta["mse_before"].values()), sum(meta["mse_after"].values())
     typer.echo(f"{len(meta['mse_before'])} sites, {meta['parameters_per_site']} parameters per site")
     typer.echo(f"reconstruction MSE (summed over sites) {before:.6g} -> {after:.6g} "

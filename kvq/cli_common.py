@@ -1,6 +1,7 @@
 """Options and parsers the `kvq` command's modules share."""
 
 import sys
+import time
 
 import typer
 from tqdm import tqdm
@@ -11,6 +12,23 @@ from kvq.quant.spec import parse_scalar
 
 def progress_bar(desc: str):
     return lambda items: tqdm(items, desc=desc, leave=False, file=sys.stderr)
+
+
+def outer_progress(desc: str):
+    """Progress over a run's outer loop (cells, steps): a bar on a terminal; in a log file (stderr not a terminal)
+    a line per item, since a bar that another library draws its own under (lm-eval's) makes both write
+    cursor-movement codes into the file."""
+    if sys.stderr.isatty():
+        return lambda items: tqdm(items, desc=desc, file=sys.stderr)
+
+    def lines(items):
+        total = f"/{len(items)}" if hasattr(items, "__len__") else ""
+        started = time.monotonic()
+        for done, item in enumerate(items, 1):
+            yield item
+            typer.echo(f"{desc}: {done}{total} ({time.monotonic() - started:.0f} s)", err=True)
+
+    return lines
 
 
 def _resolve_device(value: str) -> str:

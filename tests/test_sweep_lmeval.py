@@ -50,3 +50,5 @@ def test_sweep_runs_lmeval_metric(tmp_path):
         task = record["metrics"]["lmeval"]["kvq_passkey"]
         assert len(task["samples"]) == 2 and len(task["fp_samples"]) == 2
     assert "kvq_passkey acc" in (tmp_path / "R.md").read_text()
+    # stderr is a pipe, as a log file is: a line per cell, and no cursor movement from lm-eval's bars under kvq's
+    assert "cells: 2/2" in done.stderr and "\x1b[" not in done.stderr
