@@ -31,7 +31,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 def ppl(
     model: str = typer.Option("smollm2-135m", help="built-in name, HF id or local path"),
     quant: str = typer.Option("srft", help="quantizer name (kvq list)"),
-    bits: int = typer.Option(4),
+    bits: int = typer.Option(4, min=1, max=8, help="2-8 for scalar codes; TurboQuant also 1"),
     granularity: str = typer.Option("per_token", help="per_token|per_channel|per_group|per_channel_group"),
     group_size: int = typer.Option(32, min=1),
     asymmetric: bool = typer.Option(False, help="asymmetric (zero point) instead of symmetric"),
@@ -422,15 +422,15 @@ def list_names():
 
 
 def _quiet_libraries() -> None:
-    """kvq draws its own progress bars; library warnings would break one-line errors."""
+    """kvq draws its own progress bars; library warnings would break one-line errors. Said through the variables
+    transformers and huggingface_hub read when first imported, so a command that fails on its arguments imports
+    neither (a user's own settings stand)."""
     import logging
+    import os
 
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    hub_logging.set_verbosity_error()
+    for variable, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_VERBOSITY", "error"),
+                            ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+        os.environ.setdefault(variable, value)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
 

@@ -7,7 +7,6 @@ import typer
 from tqdm import tqdm
 
 from kvq.errors import KvqError
-from kvq.quant.spec import parse_scalar
 
 
 def progress_bar(desc: str):
@@ -59,6 +58,8 @@ def inline_yaml(text: str, flag: str):
 
 
 def parse_options(pairs: list[str]) -> dict:
+    from kvq.quant.spec import parse_scalar
+
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")

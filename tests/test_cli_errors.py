@@ -33,6 +33,7 @@ NO_MODEL = [
     (["sweep", "--bogus", "x"], "No such option: --bogus"),
     (["frobnicate"], "No such command 'frobnicate'"),
     (["ppl", "--bits", "four"], "'--bits'"),
+    (["ppl", "--bits", "12"], "Invalid value for '--bits'"),
     (["ppl", "--batch-size", "0"], "'--batch-size'"),
     (["ppl", "--seq-len", "1"], "'--seq-len'"),
     (["ppl", "--device", "tpu"], "--device must be"),
