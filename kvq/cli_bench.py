@@ -75,3 +75,26 @@ def bench_decode(
     result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
                                 prefill_chunk=prefill_chunk or None)
     _record_bench("decode", result, tables.decode_table(result), device, out, results)
+
+
+@bench_app.command("memory")
+def bench_memory(
+    context: int = typer.Option(32768, min=64, help="the context of the largest-batch search, in tokens"),
+    caches: str = typer.Option("fp16,kvq-int4", help="comma-separated subset of: fp16, kvq-int4"),
+    prefill_chunk: int = typer.Option(4096, min=1, help="tokens of the prefill chunk each probe runs"),
+    out: Path = typer.Option(Path("runs/bench")),
+    results: Path = typer.Option(Path("RESULTS.md")),
+    device: str = device_option(),
+):
+    """The largest batch at a context and the longest context at batch 1 that fit, per static cache (Llama-3-8B
+    shapes, random weights; CUDA only)."""
+    from kvq.bench import memory, tables
+
+    if not device.startswith("cuda"):
+        raise KvqError(f"kvq bench memory measures a CUDA device's memory; --device is {device}")
+    chosen = tuple(caches.split(","))
+    unknown = [name for name in chosen if name not in memory.MEMORY_CACHES]
+    if unknown:
+        raise KvqError(f"--caches: unknown cache {unknown[0]!r}; known: {', '.join(memory.MEMORY_CACHES)}")
+    result = memory.bench_memory(device, context, chosen, prefill_chunk)
+    _record_bench("memory", result, tables.memory_table(result), device, out, results)

@@ -57,3 +57,11 @@ def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_bes
 def test_unknown_decode_cache_is_an_error_naming_it():
     with pytest.raises(Exception, match="unknown decode cache 'fp8'"):
         decode.decode_caches(("kvq-int4", "fp8"))
+
+
+def test_the_memory_search_finds_the_largest_fitting_multiple():
+    from kvq.bench.memory import largest
+
+    assert largest(lambda n: 10 * n if n <= 13 else None, 1, 1) == (13, 130)
+    assert largest(lambda n: n if n <= 40000 else None, 8192, 8192) == (32768, 32768)
+    assert largest(lambda n: None, 8192, 8192) == (0, None)

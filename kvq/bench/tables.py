@@ -57,3 +57,15 @@ def decode_table(result: dict) -> str:
         ["prompt", "batch", "cache", "ms/token (median)", "ms/token (mean)", "time vs first row, paired (median)",
          "speed vs best fp16", "bytes-ideal", "of ideal", "floor ms", "x floor", "prefill s", "cache MiB",
          "peak MiB"], rows)
+
+
+def memory_table(result: dict) -> str:
+    """Largest batch at the context, longest context at one row, per cache, with the K/V each holds there."""
+    gib = 2 ** 30
+    header = ["cache", "largest batch at context", "its K/V GiB", "longest context at batch 1", "its K/V GiB"]
+    rows = [[r["cache"], f"{r['largest_batch']} x {r['context']}", _fmt((r["cache_bytes_at_batch"] or 0) / gib),
+             str(r["longest_context"]), _fmt((r["cache_bytes_at_context"] or 0) / gib)] for r in result["rows"]]
+    return (f"Device memory {result['device_bytes'] / gib:.1f} GiB, weights {result['weight_bytes'] / gib:.1f} GiB; "
+            f"a setting fits when its static cache, a {result['prefill_chunk']}-token prefill chunk and "
+            f"{result['decode_steps']} decode steps run without running out of memory.\n\n"
+            + markdown_table(header, rows))

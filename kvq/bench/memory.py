@@ -1,0 +1,77 @@
+"""`kvq bench memory`: per cache kind, the largest batch at a context length and the longest context at one row
+that fit on the device (Llama-3-8B shapes, random fp16 weights). A setting fits when its static cache, allocated
+for the whole context, and a prefill chunk and a few decode steps run into it do not run out of device memory;
+the search doubles, then bisects."""
+
+from collections.abc import Callable
+
+import torch
+
+from kvq.bench.decode import _held_bytes, _release, decode_model, llama3_8b_like
+from kvq.generate import decode_routing, generate, static_cache
+from kvq.gqa_attention import GQA_SDPA_ATTENTION
+from kvq.quant import QuantSpec
+
+MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows
+    "fp16": None,
+    "kvq-int4": QuantSpec("srft", 4, "per_group", 32),
+}
+DECODE_STEPS = 8
+CONTEXT_STEP = 8192  # the longest context is searched in whole multiples of this
+
+
+def fits(model, spec: QuantSpec | None, batch: int, context: int, chunk: int) -> int | None:
+    """The K/V bytes a static cache of `batch` rows x `context` tokens holds once it has run a `chunk`-token
+    prefill and DECODE_STEPS steps (the fp16 cache under SDPA reading each K/V head once); None when that runs
+    out of device memory."""
+    cache = None
+    try:
+        cache = static_cache(model, spec, batch, context)
+        prompt = torch.randint(0, model.config.vocab_size, (batch, min(chunk, context - DECODE_STEPS)),
+                               device=model.device)
+        with torch.no_grad(), decode_routing(model, cache, None if spec is not None else GQA_SDPA_ATTENTION):
+            generate(model, prompt, cache, DECODE_STEPS, compiled=False)
+        torch.cuda.synchronize(model.device)
+        return _held_bytes(cache)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del cache
+        _release(model.device)
+
+
+def largest(probe: Callable[[int], int | None], start: int, step: int) -> tuple[int, int | None]:
+    """The largest multiple of `step` (from `start`, itself one) at which `probe` gives bytes, with them; (0,
+    None) if none: doubling, then bisecting."""
+    best = probe(start)
+    if best is None:
+        return 0, None
+    good, bad = start, 2 * start
+    while (held := probe(bad)) is not None:
+        good, bad, best = bad, 2 * bad, held
+    while bad - good > step:
+        middle = (good + bad) // 2 // step * step
+        if (held := probe(middle)) is not None:
+            good, best = middle, held
+        else:
+            bad = middle
+    return good, best
+
+
+def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int) -> dict:
+    """Per cache: the largest batch at `context` tokens and the longest context at batch 1, with their caches'
+    bytes and the device's capacity."""
+    config = llama3_8b_like()
+    config.max_position_embeddings = 1 << 24  # random weights: any position is as good as another
+    model = decode_model(device, config)
+    rows = []
+    for name in caches:
+        spec = MEMORY_CACHES[name]
+        batch, batch_bytes = largest(lambda b, s=spec: fits(model, s, b, context, chunk), 1, 1)
+        longest, longest_bytes = largest(lambda c, s=spec: fits(model, s, 1, c, chunk), CONTEXT_STEP, CONTEXT_STEP)
+        rows.append({"cache": name, "context": context, "largest_batch": batch, "cache_bytes_at_batch": batch_bytes,
+                     "longest_context": longest, "cache_bytes_at_context": longest_bytes})
+    return {"model": "Llama-3-8B architecture, random fp16 weights", "prefill_chunk": chunk,
+            "decode_steps": DECODE_STEPS, "device_bytes": torch.cuda.get_device_properties(device).total_memory,
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "rows": rows}
+
