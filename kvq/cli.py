@@ -1,5 +1,6 @@
 """The `kvq` command. Thin: parse, call the library, print."""
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -305,7 +306,8 @@ def lmeval(
     record = {"model": model, "mode": mode, "protocol": protocol.to_dict(), "quant": spec.to_dict() if spec else None,
               "bits_per_element": bits}
     if suite == "ruler":
-        result = run_ruler(lm, bank, mode, task_list, length_list, limit, device, protocol, max_new_tokens)
+        with contextlib.redirect_stdout(sys.stderr):  # RULER's generators print their sizing; stdout is the table
+            result = run_ruler(lm, bank, mode, task_list, length_list, limit, device, protocol, max_new_tokens)
         typer.echo(ruler_table(result["scores"], result["suite"]))
         typer.echo(f"bits/element {bits:.4f}; unavailable offline: {', '.join(UNAVAILABLE_OFFLINE)}")
         record = {"format": "kvq-ruler/1", **record, "lengths": length_list, "max_new_tokens": max_new_tokens,
