@@ -252,6 +252,9 @@ def plot(
         typer.echo(f"wrote {figure}")
 
 
+RULER_MIN_LENGTH = 1024
+
+
 @app.command()
 def lmeval(
     model: str = typer.Option("smollm2-135m"),
@@ -296,6 +299,9 @@ def lmeval(
         )
 
         task_list = check_tasks(tasks.split(",") if tasks else list(SYNTHETIC_TASKS))
+        short = [length for length in length_list if length < RULER_MIN_LENGTH]
+        if short:  # lm-eval's variable-tracking generator loops forever where its chains do not fit
+            raise KvqError(f"--lengths {short[0]}: RULER's generators need at least {RULER_MIN_LENGTH} tokens")
         check_installed()
         check_lengths(length_list, models.load_config(model))
     else:

@@ -60,6 +60,7 @@ NO_MODEL = [
     (["lmeval", "--suite", "ruler", "--tasks", "niah_single_9"], "--tasks: niah_single_9 is not a RULER task"),
     (["lmeval", "--suite", "ruler", "--tasks", "ruler_qa_squad"], "reads SQuAD v2 from the hub"),
     (["lmeval", "--suite", "longbench"], "--suite longbench is not a suite kvq runs"),
+    (["lmeval", "--suite", "ruler", "--lengths", "512"], "--lengths 512: RULER's generators need at least 1024"),
 ]
 WITH_MODEL = [
     (["ppl", "--bits", "1"], "bits"),
