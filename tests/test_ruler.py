@@ -181,7 +181,7 @@ def test_niah_places_needlehaystacks_needle_at_a_sentence_break_at_each_depth():
 
 
 @requires_models
-@pytest.mark.model
+@pytest.mark.long_context
 def test_niah_heatmap_fp_finds_the_needle_int2_per_token_does_not(tmp_path):
     done = run_kvq("retrieval", "--model", "smollm2-135m", "--quant", "fp", "--quant", "int:2:per_token",
                    "--task", "kvq_niah", "--lengths", "512", "--depths", "0,1", "--out", str(tmp_path / "out"),
