@@ -32,7 +32,7 @@ PRESENTATION_MODULES = frozenset({
     "__main__.py", "cli.py", "cli_bench.py", "cli_common.py", "errors.py", "fingerprint.py", "generate.py",
     "gqa_attention.py", "ledger.py", "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py",
     "store.py", "yamlspec.py",
-    "bench/__init__.py", "bench/decode.py", "bench/kernels.py", "bench/tables.py", "bench/timing.py",
+    "bench/__init__.py", "bench/decode.py", "bench/kernels.py", "bench/memory.py", "bench/tables.py", "bench/timing.py",
     "executors/__init__.py", "executors/driver.py", "executors/ray_backend.py", "executors/settings.py",
     "executors/slurm_backend.py", "executors/worker.py",
 })
