@@ -19,6 +19,8 @@ from kvq.cli_common import (
 )
 from kvq.errors import KvqError
 
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
 try:  # typer raises its own click fork's usage errors from 0.2x on, click's before
     from typer import TyperException as UsageError
 except ImportError:
@@ -252,13 +254,11 @@ def plot(
         typer.echo(f"wrote {figure}")
 
 
-RULER_MIN_LENGTH = 1024
-
-
 @app.command()
 def lmeval(
     model: str = typer.Option("smollm2-135m"),
     quant: str = typer.Option("fp", help="fp, or NAME[:BITS[:GRANULARITY[:GROUP]]][,key=value...]"),
+    policy: str = typer.Option("", help="per-site policy as YAML over --quant (kvq.policy), e.g. '{k: {bits: 8}}'"),
     suite: str | None = typer.Option(None, help="ruler: RULER's synthetic tasks, offline, at --lengths"),
     tasks: str | None = typer.Option(None, help="comma-separated lm-eval tasks (default kvq_passkey; with "
                                                   "--suite ruler, its 11 synthetic tasks)"),
@@ -270,13 +270,23 @@ def lmeval(
     depths: str = typer.Option("0,0.25,0.5,0.75,1", help="kvq_* task needle depths"),
     max_new_tokens: int | None = typer.Option(None, help="--suite ruler: tokens generated per answer (default: "
                                                          "each task's own)"),
+    batch_size: int = typer.Option(1, min=1, help="requests lm-eval hands over at once; prompts of equal length "
+                                                  "decode together where the quantizer allows (scores do not change)"),
+    decode: str = typer.Option("auto", help="auto: on CUDA, generation runs through the compiled static cache "
+                                            "where the quantizer packs; reference: always the reference cache"),
+    dtype: str = typer.Option("float32", help="the model's dtype: float32, float16 or bfloat16"),
+    prepare_only: bool = typer.Option(False, "--prepare-only", help="--suite ruler: generate and keep the "
+                                      "documents this run reads (under $KVQ_CACHE/ruler), run no model"),
     device: str = device_option(),
     json_out: Path | None = typer.Option(None, "--json"),
 ):
     """lm-eval tasks with a quantized KV cache (loglikelihood and generation requests), or RULER's suite."""
+    import torch
+
     from kvq import models
     from kvq.apply import check_mode, check_protocol
     from kvq.experiment import make_bank
+    from kvq.policy import parse_policy
     from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant.spec import parse_spec
@@ -284,7 +294,14 @@ def lmeval(
 
     if suite not in (None, "ruler"):
         raise KvqError(f"--suite {suite} is not a suite kvq runs; it runs ruler")
+    if decode not in ("auto", "reference"):
+        raise KvqError(f"--decode {decode}: choose auto or reference")
+    if dtype not in MODEL_DTYPES:
+        raise KvqError(f"--dtype {dtype}: choose {', '.join(MODEL_DTYPES)}")
     spec = parse_spec(quant)
+    site_policy = parse_policy(inline_yaml(policy, "--policy")) if policy else parse_policy(None)
+    if spec is None and not site_policy.is_default:
+        raise KvqError("--policy sets sites of --quant's quantizer; give --quant a quantizer")
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     length_list = [int(x) for x in floats(lengths)]
     if suite == "ruler":
@@ -299,24 +316,37 @@ def lmeval(
         )
 
         task_list = check_tasks(tasks.split(",") if tasks else list(SYNTHETIC_TASKS))
-        short = [length for length in length_list if length < RULER_MIN_LENGTH]
-        if short:  # lm-eval's variable-tracking generator loops forever where its chains do not fit
-            raise KvqError(f"--lengths {short[0]}: RULER's generators need at least {RULER_MIN_LENGTH} tokens")
         check_installed()
         check_lengths(length_list, models.load_config(model))
+        if prepare_only:
+            from transformers import AutoTokenizer
+
+            from kvq.ruler import prepare_documents
+
+            with contextlib.redirect_stdout(sys.stderr):
+                prepare_documents(AutoTokenizer.from_pretrained(models.resolve(model)), task_list, length_list, limit)
+            typer.echo(f"kept RULER's documents for {len(task_list)} task(s) at {lengths} under "
+                       f"{models.cache_dir() / 'ruler'}")
+            return
     else:
         task_list = (tasks or "kvq_passkey").split(",")
-    bank = make_bank(model, models.load_config(model), spec) if spec else None
-    bits = bank.measured_bits_per_element() if bank else 16.0
-    lm = models.load(model, device=device)
+    bank = make_bank(model, models.load_config(model), spec, site_policy) if spec else None
+    lm = models.load(model, device=device, dtype=getattr(torch, dtype))
+    from kvq.lmeval import stored_bits  # lm-eval's import is slow: after every argument check
+
     record = {"model": model, "mode": mode, "protocol": protocol.to_dict(), "quant": spec.to_dict() if spec else None,
-              "bits_per_element": bits}
+              "policy": site_policy.to_dict(), "dtype": dtype}
     if suite == "ruler":
         with contextlib.redirect_stdout(sys.stderr):  # RULER's generators print their sizing; stdout is the table
-            result = run_ruler(lm, bank, mode, task_list, length_list, limit, device, protocol, max_new_tokens)
+            result = run_ruler(lm, bank, mode, task_list, length_list, limit, device, protocol, max_new_tokens,
+                               batch_size, decode)
+        bits = stored_bits(bank)
         typer.echo(ruler_table(result["scores"], result["suite"]))
-        typer.echo(f"bits/element {bits:.4f}; unavailable offline: {', '.join(UNAVAILABLE_OFFLINE)}")
-        record = {"format": "kvq-ruler/1", **record, "lengths": length_list, "max_new_tokens": max_new_tokens,
+        typer.echo(f"bits/element {bits:.4f}; decoded through the {result['decode']} cache; unavailable offline: "
+                   f"{', '.join(UNAVAILABLE_OFFLINE)}")
+        record = {"format": "kvq-ruler/1", **record, "bits_per_element": bits, "lengths": length_list,
+                  "max_new_tokens": max_new_tokens, "batch_size": batch_size, "decode": result["decode"],
+                  "seconds": result["seconds"],
                   "scores": result["scores"], "suite": result["suite"], "samples": result["samples"],
                   "unavailable_offline": list(UNAVAILABLE_OFFLINE)}
     else:
@@ -325,8 +355,10 @@ def lmeval(
 
         folder = write_tasks(lm.tokenizer, RetrievalSpec(tuple(length_list), floats(depths)),
                              models.cache_dir() / "tasks")
-        harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
+        harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol,
+                                batch_size=batch_size, decode=decode)
         results = evaluate(harness, task_list, limit, folder)
+        record["bits_per_element"] = stored_bits(bank)
         for task, metrics in results["results"].items():
             shown = {k: v for k, v in metrics.items() if isinstance(v, float)}
             typer.echo(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))

@@ -25,23 +25,21 @@ from pathlib import Path
 from kvq.provenance import PACKAGE_DIR, versions
 
 # Modules that cannot change a cell's number: they parse specs, print, plot, lock, store or judge records, time
-# kernels or decode for kvq bench and users (kvq bench reports speed, never a cell; no cell decodes through
-# kvq.generate), or hand cells to workers (every executor measures a cell with kvq.sweep's CellRunner, which is on
-# the path).
+# kernels for kvq bench (kvq bench reports speed, never a cell), or hand cells to workers (every executor measures
+# a cell with kvq.sweep's CellRunner, which is on the path).
 PRESENTATION_MODULES = frozenset({
-    "__main__.py", "cli.py", "cli_bench.py", "cli_common.py", "errors.py", "fingerprint.py", "generate.py",
-    "gqa_attention.py", "ledger.py", "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py",
-    "store.py", "yamlspec.py",
+    "__main__.py", "cli.py", "cli_bench.py", "cli_common.py", "errors.py", "fingerprint.py", "ledger.py",
+    "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py", "store.py", "yamlspec.py",
     "bench/__init__.py", "bench/decode.py", "bench/kernels.py", "bench/memory.py", "bench/tables.py", "bench/timing.py",
     "executors/__init__.py", "executors/driver.py", "executors/ray_backend.py", "executors/settings.py",
     "executors/slurm_backend.py", "executors/worker.py",
 })
 # Modules only a metric's measurement imports, by the metric's name: the runner reaches them through that metric
 # alone, so they are digested for the cells that measure it, never for a perplexity cell (a test runs one and
-# checks that it imports none of them).
+# checks that it imports none of them). lm-eval tasks generate through kvq.generate's static cache on CUDA.
 METRIC_MODULES = {
-    "lmeval": frozenset({"haystack.py", "lmeval.py", "longctx.py", "retrieval.py", "ruler.py", "tasks/__init__.py",
-                         "tasks/scoring.py"}),
+    "lmeval": frozenset({"generate.py", "gqa_attention.py", "haystack.py", "lmeval.py", "lmeval_decode.py",
+                         "longctx.py", "retrieval.py", "ruler.py", "tasks/__init__.py", "tasks/scoring.py"}),
 }
 # What measures every cell, whichever executor runs it.
 MEASURING_ENTRY = "sweep.py"

@@ -1,5 +1,7 @@
-"""lm-eval with a kvq quantizer on the KV path, for loglikelihood and generation requests alike."""
+"""lm-eval with a kvq quantizer on the KV path, for loglikelihood and generation requests alike. Generation runs
+prompt groups of equal length (kvq.lmeval_decode), through the compiled static cache on CUDA where it applies."""
 
+import logging
 from pathlib import Path
 
 import torch
@@ -10,31 +12,84 @@ from lm_eval.tasks import TaskManager
 from kvq.apply import QuantizerBank, quantized_kv
 from kvq.errors import KvqError
 from kvq.haystack import essays
+from kvq.lmeval_decode import StaticDecoder, equal_length_groups, fast_path_reason, row_local, token_local
 from kvq.protocol import Protocol
+
+log = logging.getLogger("kvq")
 
 
 class QuantizedHFLM(HFLM):
     """HFLM whose forward passes and generate() run under kvq's hook or cache quantization.
 
-    With bank None it is the fp reference on the same code path."""
+    With bank None it is the fp reference on the same code path. `decode`: "auto" generates through the static
+    cache where kvq.lmeval_decode.fast_path_reason allows, "reference" always through the reference cache."""
 
     def __init__(self, model, tokenizer, bank: QuantizerBank | None, mode: str, device: str = "cpu",
-                 batch_size: int = 1, max_length: int | None = None, protocol: Protocol = Protocol()):
+                 batch_size: int = 1, max_length: int | None = None, protocol: Protocol = Protocol(),
+                 decode: str = "auto"):
         super().__init__(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size,
                          max_length=max_length)
         self.bank = bank
         self.mode = mode
         self.protocol = protocol
+        reason = fast_path_reason(bank, mode, protocol, device) if decode == "auto" else "--decode reference"
+        self.static = None
+        if reason is None:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_token_id
+            self.static = StaticDecoder(self.model, bank, protocol, [self.eot_token_id], pad)
+        elif torch.device(device).type == "cuda":
+            log.info("generation runs through the reference cache: %s", reason)
+        self.padded_batches = token_local(bank)
+        self.equal_length_batches = self.padded_batches or row_local(bank)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         with torch.no_grad(), quantized_kv(self.model, self.bank, self.mode, self.protocol) as forward_kwargs:
             return self.model(inps, **forward_kwargs()).logits
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        """The batch's continuations as HFLM returns them ((B, max_length): the padded context, then each
+        prompt's new tokens, padded), each prompt decoded without padding (kvq.lmeval_decode)."""
+        mask = generation_kwargs.pop("attention_mask", None)
+        if mask is None:
+            mask = torch.ones_like(context)
+        new_tokens = max_length - context.shape[1]
+        sampled = generation_kwargs.get("do_sample") or generation_kwargs.get("temperature", 0.0) > 0
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+        out = torch.full((context.shape[0], max_length), pad, dtype=context.dtype, device=context.device)
+        out[:, :context.shape[1]] = context
+        if self.static is not None and not sampled:
+            for length, rows in equal_length_groups(mask):
+                for row in rows:
+                    prompt = context[row:row + 1, context.shape[1] - length:]
+                    out[row, context.shape[1]:] = self.static.continuation(prompt, new_tokens)
+            return out
+        if self.padded_batches:
+            done = self._reference_generate(context, max_length, stop, attention_mask=mask, **generation_kwargs)
+            out[:, :done.shape[1]] = done
+            return out
+        for length, rows in equal_length_groups(mask):
+            groups = [rows] if self.equal_length_batches else [[row] for row in rows]
+            for group in groups:
+                prompts = context[group][:, context.shape[1] - length:]
+                done = self._reference_generate(prompts, length + new_tokens, stop,
+                                                attention_mask=torch.ones_like(prompts), **generation_kwargs)
+                out[group, context.shape[1]:context.shape[1] + done.shape[1] - length] = done[:, length:]
+        return out
+
+    def _reference_generate(self, context, max_length, stop, **generation_kwargs):
         with quantized_kv(self.model, self.bank, self.mode, self.protocol) as forward_kwargs:
             extra = forward_kwargs()
             extra.pop("use_cache")  # generation always caches; hook mode quantizes the projections anyway
             return super()._model_generate(context, max_length, stop, **generation_kwargs, **extra)
+
+
+def stored_bits(bank: QuantizerBank | None) -> float:
+    """Bits per element the run's quantizers stored (16 for fp); where every write went to the packed static
+    cache, which meters nothing, its layout's bits, which the packing tests hold equal to the quantizer's."""
+    if bank is None:
+        return 16.0
+    measured = bank.measured_bits_per_element()
+    return measured if measured is not None else bank.bits_per_element(1)
 
 
 def task_manager(include_path: Path | None = None, metadata: dict | None = None) -> TaskManager:

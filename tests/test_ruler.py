@@ -81,6 +81,42 @@ def test_offline_haystacks_give_lm_evals_own_documents_for_the_same_essays(monke
 
 
 @requires_models
+def test_kept_documents_are_the_ones_lm_eval_generates_and_leave_the_random_state_as_it_would(tmp_path,
+                                                                                              monkeypatch):
+    """Two tasks built as simple_evaluate builds them (seeded, in order): generated once and kept, then read
+    back with generation refused, they equal what lm-eval's generators make without kvq's keeping, and the
+    random state after them is the one generation leaves (so the next task draws the same)."""
+    import numpy as np
+    from lm_eval.tasks import get_task_dict
+
+    from kvq.lmeval import task_manager
+
+    tokenizer = loaded("smollm2-135m").tokenizer
+    tasks = ["niah_single_1", "ruler_vt"]
+
+    def build(limit=None, kept=True):
+        manager = task_manager(metadata={"max_seq_lengths": [LENGTH], "tokenizer": tokenizer.name_or_path})
+        with ruler.documents_kept(tmp_path, tokenizer, limit) if kept else ruler.offline_haystacks():
+            random.seed(0)  # as simple_evaluate seeds before it builds the tasks
+            np.random.seed(1234)
+            built = get_task_dict(tasks, manager)
+        return [list(built[t].test_docs())[:3] for t in tasks], (random.random(), np.random.random())
+
+    generated = build(limit=3)
+    assert len(list(tmp_path.glob("*.json.gz"))) == 2
+
+    def refuse():
+        raise AssertionError("generated documents a kept entry holds")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ruler, "offline_haystacks", refuse)
+        assert build(limit=3) == generated
+        with pytest.raises(AssertionError, match="generated documents"):
+            build(limit=4)  # more than were kept
+    assert build(kept=False) == generated
+
+
+@requires_models
 @pytest.mark.long_context
 def test_ruler_runs_offline_and_int2_per_token_loses_the_needle_fp_finds(no_network):
     from lm_eval.tasks.ruler.common_utils import process_results

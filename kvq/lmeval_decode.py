@@ -1,0 +1,125 @@
+"""How kvq's lm-eval harness decodes a batch of generation requests.
+
+lm-eval hands the harness left-padded batches. Padding is not neutral under every quantizer: KIVI's keys share a
+scale per channel over a group of positions, and a per-tensor scale (NVFP4's, FP8's dynamic one) spans the batch,
+so a pad token or a batch-mate would change a prompt's codes. So a batch decodes
+
+- through `kvq.generate` over a static cache (the packed cache of `kvq.static_cache`, or transformers' static
+  cache with SDPA reading each K/V head once for fp), compiled on CUDA, one prompt at a time with the cache
+  reset() between prompts, where the quantizer has a packed layout and the protocol is one that cache holds
+  (`fast_path_reason`; the packed kernels attend from the codes only where no row is padded);
+- otherwise through the reference cache: the whole padded batch at once where the quantizer is token-local (a
+  token's codes depend on that token alone: `token_local`), prompts of equal length together where it is
+  row-local (`row_local`), else prompt by prompt.
+
+Each prompt gets the continuation it gets alone (up to the order of floating-point sums in batched products),
+so scores do not depend on the batch size.
+"""
+
+import torch
+
+from kvq.apply import QuantizerBank
+from kvq.protocol import Protocol
+
+# a static cache's length is rounded up to this many tokens, so prompts of nearby lengths share one cache (and one
+# CUDA graph of the compiled step)
+CAPACITY_STEP = 1024
+
+
+def fast_path_reason(bank: QuantizerBank | None, mode: str, protocol: Protocol, device: str) -> str | None:
+    """None when generation can run through kvq.generate's static cache, else why it cannot."""
+    if torch.device(device).type != "cuda":
+        return "the compiled static-cache decode runs on CUDA"
+    if mode != "cache":
+        return "hook mode quantizes projections, not a cache"
+    if not protocol.exact_prefill or protocol.window < 1:
+        return ("the static cache holds the protocol with exact prefill and a window of at least one token "
+                "(window 0 also quantizes a step's own token)")
+    if bank is None:
+        return None
+    for layer in range(bank.geometry.n_layers):
+        for role in ("k", "v"):
+            reason = bank.get(layer, role).packing_reason()
+            if reason is not None:
+                return f"layer {layer} {role.upper()}: {reason}"
+    return None
+
+
+def _unchanged_by(bank: QuantizerBank, kept: tuple[slice, slice], edit: tuple[slice, slice],
+                  tokens: int = 256) -> bool:
+    """Whether every site's quantize-dequantize of the K/V rows and positions `kept` (batch, position slices)
+    stays the same when the K/V at `edit` change, on random K/V of two rows of `tokens` positions."""
+    from kvq.apply import quantized_pair
+
+    bank = QuantizerBank(bank.spec, bank.geometry, bank.learned, bank.policy)  # its storage meters stay the run's
+    generator = torch.Generator().manual_seed(0)
+    shape = (2, bank.geometry.n_kv_heads, tokens, bank.geometry.head_dim)
+    keys, values = (torch.randn(shape, generator=generator) * 4 for _ in range(2))
+    edited = [t.clone() for t in (keys, values)]
+    for t in edited:
+        t[edit[0], :, edit[1]] *= 9
+    for layer in range(bank.geometry.n_layers):
+        before = quantized_pair(bank, layer, keys, values)
+        after = quantized_pair(bank, layer, *edited)
+        if not all(torch.equal(b[kept[0], :, kept[1]], a[kept[0], :, kept[1]])
+                   for b, a in zip(before, after, strict=True)):
+            return False
+    return True
+
+
+def row_local(bank: QuantizerBank | None) -> bool:
+    """Whether one row's codes do not depend on the batch's other rows."""
+    everything = slice(None)
+    return bank is None or _unchanged_by(bank, (slice(0, 1), everything), (slice(1, 2), everything))
+
+
+def token_local(bank: QuantizerBank | None) -> bool:
+    """Whether a position's codes do not depend on the other positions (so left padding changes none)."""
+    return bank is None or (row_local(bank) and _unchanged_by(bank, (slice(0, 1), slice(8, None)),
+                                                              (slice(0, 1), slice(0, 8))))
+
+
+def equal_length_groups(attention_mask: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """(length, rows) for each prompt length of a left-padded batch's (B, L) mask, longest first."""
+    lengths = attention_mask.sum(-1).tolist()
+    return [(length, [row for row, n in enumerate(lengths) if n == length])
+            for length in sorted(set(lengths), reverse=True)]
+
+
+class StaticDecoder:
+    """Greedy continuations of single prompts through one static cache per capacity, reset() between prompts."""
+
+    def __init__(self, model, bank: QuantizerBank | None, protocol: Protocol, stop_tokens: list[int],
+                 pad_token_id: int):
+        self.model, self.bank, self.protocol = model, bank, protocol
+        self.stop_tokens, self.pad_token_id = stop_tokens, pad_token_id
+        self._caches: dict[int, object] = {}
+
+    def _cache(self, tokens: int):
+        from transformers import StaticCache
+
+        from kvq.static_cache import StaticQuantizedCache
+
+        capacity = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+        if capacity not in self._caches:
+            config = self.model.config
+            self._caches[capacity] = (
+                StaticCache(config=config, max_cache_len=capacity) if self.bank is None else
+                StaticQuantizedCache(self.bank, config, capacity, min(self.protocol.window, capacity)).allocate(
+                    self.model, 1))
+        cache = self._caches[capacity]
+        cache.reset()
+        return cache
+
+    def continuation(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """(1, L) prompt -> (max_new_tokens,) new tokens, through the stop token, then padding."""
+        from kvq.generate import decode_routing, generate
+        from kvq.gqa_attention import GQA_SDPA_ATTENTION
+
+        cache = self._cache(prompt.shape[-1] + max_new_tokens)
+        with torch.no_grad(), decode_routing(self.model, cache, GQA_SDPA_ATTENTION if self.bank is None else None):
+            (row,) = generate(self.model, prompt, cache, max_new_tokens, stop_tokens=self.stop_tokens,
+                              pad_token_id=self.pad_token_id)
+        out = torch.full((max_new_tokens,), self.pad_token_id, dtype=row.dtype, device=row.device)
+        out[:row.numel()] = row
+        return out

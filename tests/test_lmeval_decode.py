@@ -1,0 +1,100 @@
+"""How the lm-eval harness decodes batches (kvq.lmeval_decode): which quantizers let padding or batch-mates into
+a prompt's codes, and that a batch gives every prompt the continuation it gets alone, through the reference cache
+on CPU and through the compiled static cache on CUDA."""
+
+import pytest
+import torch
+from conftest import loaded, requires_cuda, requires_models
+from lm_eval.api.instance import Instance
+
+from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
+from kvq.lmeval import QuantizedHFLM
+from kvq.lmeval_decode import equal_length_groups, fast_path_reason, row_local, token_local
+from kvq.protocol import Protocol
+from kvq.quant import QuantSpec
+
+GEOMETRY = KVGeometry(n_layers=2, n_kv_heads=2, head_dim=64)
+
+
+def bank(name: str, bits: int, granularity: str = "per_token") -> QuantizerBank:
+    return QuantizerBank(QuantSpec(name, bits, granularity), GEOMETRY)
+
+
+def test_per_token_codes_are_token_local_and_kivis_channel_groups_only_row_local():
+    assert token_local(None) and row_local(None)
+    assert token_local(bank("int", 4)) and token_local(bank("turbo", 4))
+    kivi = bank("kivi", 2)
+    assert row_local(kivi) and not token_local(kivi)  # a key channel's scale spans a group of positions
+
+
+def test_the_locality_probes_leave_the_banks_storage_meters_alone():
+    kivi = bank("kivi", 2)
+    before = kivi.measured_bits_per_element()
+    row_local(kivi), token_local(kivi)
+    assert kivi.measured_bits_per_element() == before
+
+
+def test_equal_length_groups_split_a_left_padded_batch_longest_first():
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [0, 1, 1]])
+    assert equal_length_groups(mask) == [(3, [1]), (2, [0, 3]), (1, [2])]
+
+
+def test_the_static_path_needs_cuda_a_packed_layout_and_a_protocol_it_holds():
+    cuda = "cuda"
+    assert "CUDA" in fast_path_reason(None, "cache", Protocol(16, True), "cpu")
+    assert fast_path_reason(None, "cache", Protocol(16, True), cuda) is None
+    assert fast_path_reason(bank("int", 4), "cache", Protocol(16, True), cuda) is None
+    assert "KIVI" in fast_path_reason(bank("kivi", 4), "cache", Protocol(16, True), cuda)
+    assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(0, True), cuda)
+    assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(16, False), cuda)
+    assert "hook" in fast_path_reason(bank("int", 4), "hook", Protocol(), cuda)
+
+
+def _requests(tokenizer, new_tokens: int) -> list[Instance]:
+    """Prompts of three lengths, two of one length, as lm-eval hands them over."""
+    base = "The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire. " * 6
+    contexts = [base + "Remember 41973. ", base, base + "Remember 41973. " * 3, base + "Remember 55555. "]
+    return [Instance("generate_until", {}, (context + "The number to remember is",
+                                            {"until": [], "max_gen_toks": new_tokens, "do_sample": False}), index)
+            for index, context in enumerate(contexts)]
+
+
+def _continuations(lm, quantizers, batch_size: int, device: str, protocol: Protocol, decode: str = "auto"):
+    harness = QuantizedHFLM(lm.model, lm.tokenizer, quantizers, "cache", device=device, batch_size=batch_size,
+                            protocol=protocol, decode=decode)
+    return harness, harness.generate_until(_requests(lm.tokenizer, 12), disable_tqdm=True)
+
+
+@requires_models
+@pytest.mark.model
+@pytest.mark.parametrize("spec", [None, QuantSpec("int", 4), QuantSpec("kivi", 2)], ids=["fp", "int4", "kivi2"])
+def test_a_batch_gives_each_prompt_its_own_continuation(spec):
+    """Padded (fp, per-token int4) and equal-length (KIVI-2) batches decode as each prompt does alone."""
+    lm = loaded("smollm2-135m")
+    quantizers = QuantizerBank(spec, kv_geometry(lm.model.config)) if spec else None
+    protocol = Protocol(0, True)
+    _, alone = _continuations(lm, quantizers, 1, "cpu", protocol)
+    harness, together = _continuations(lm, quantizers, 4, "cpu", protocol)
+    assert harness.padded_batches == (spec is None or spec.quantizer == "int")
+    assert together == alone and any(text.strip() for text in alone)
+
+
+@requires_cuda
+@requires_models
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [None, QuantSpec("int", 4)], ids=["fp16", "int4"])
+def test_on_cuda_the_static_path_answers_as_the_reference_cache_does(spec):
+    """The compiled static cache holds the reference protocol (exact prefill, window 16): greedy answers agree,
+    up to a rare near-tie that a last-bit difference between the kernels and the reference arithmetic flips.
+    Qwen2.5-Coder, the model of the GPU RULER study."""
+    lm = loaded("qwen2.5-coder-0.5b")
+    lm.model.to("cuda", torch.float16)
+    try:
+        quantizers = QuantizerBank(spec, kv_geometry(lm.model.config)) if spec else None
+        protocol = Protocol(16, True)
+        fast, fast_texts = _continuations(lm, quantizers, 4, "cuda", protocol)
+        reference, reference_texts = _continuations(lm, quantizers, 4, "cuda", protocol, decode="reference")
+    finally:
+        lm.model.to("cpu", torch.float32)
+    assert fast.static is not None and reference.static is None
+    assert sum(a == b for a, b in zip(fast_texts, reference_texts, strict=True)) >= 3
