@@ -81,28 +81,28 @@ def test_offline_haystacks_give_lm_evals_own_documents_for_the_same_essays(monke
 
 
 @requires_models
-def test_kept_documents_are_the_ones_lm_eval_generates_and_leave_the_random_state_as_it_would(tmp_path,
-                                                                                              monkeypatch):
-    """Two tasks built as simple_evaluate builds them (seeded, in order): generated once and kept, then read
-    back with generation refused, they equal what lm-eval's generators make without kvq's keeping, and the
-    random state after them is the one generation leaves (so the next task draws the same)."""
+def test_kept_documents_are_lm_evals_under_a_seed_per_task_and_length_whatever_runs_beside_them(tmp_path,
+                                                                                                 monkeypatch):
+    """Generated once and kept, read back with generation refused, a task's documents are lm-eval's generator's
+    under the task's and length's seed, the same whether other tasks were built before it or not; generating
+    them or reading them leaves the evaluation the same random states."""
     import numpy as np
     from lm_eval.tasks import get_task_dict
+    from lm_eval.tasks.ruler import niah_utils
 
     from kvq.lmeval import task_manager
 
     tokenizer = loaded("smollm2-135m").tokenizer
-    tasks = ["niah_single_1", "ruler_vt"]
 
-    def build(limit=None, kept=True):
+    def build(tasks, directory, limit=3):
         manager = task_manager(metadata={"max_seq_lengths": [LENGTH], "tokenizer": tokenizer.name_or_path})
-        with ruler.documents_kept(tmp_path, tokenizer, limit) if kept else ruler.offline_haystacks():
+        with ruler.documents_kept(directory, tokenizer, limit):
             random.seed(0)  # as simple_evaluate seeds before it builds the tasks
             np.random.seed(1234)
             built = get_task_dict(tasks, manager)
-        return [list(built[t].test_docs())[:3] for t in tasks], (random.random(), np.random.random())
+        return {t: list(built[t].test_docs())[:limit] for t in tasks}, (random.random(), np.random.random())
 
-    generated = build(limit=3)
+    generated, after = build(["niah_single_1", "ruler_vt"], tmp_path)
     assert len(list(tmp_path.glob("*.json.gz"))) == 2
 
     def refuse():
@@ -110,10 +110,17 @@ def test_kept_documents_are_the_ones_lm_eval_generates_and_leave_the_random_stat
 
     with monkeypatch.context() as patch:
         patch.setattr(ruler, "offline_haystacks", refuse)
-        assert build(limit=3) == generated
+        assert build(["niah_single_1", "ruler_vt"], tmp_path) == (generated, after)
         with pytest.raises(AssertionError, match="generated documents"):
-            build(limit=4)  # more than were kept
-    assert build(kept=False) == generated
+            build(["niah_single_1"], tmp_path, limit=4)  # more than were kept
+    assert build(["ruler_vt"], tmp_path / "alone")[0]["ruler_vt"] == generated["ruler_vt"]
+
+    seed = ruler.document_seed("niah_single_1", LENGTH)
+    with ruler.offline_haystacks():
+        random.seed(seed)
+        np.random.seed(seed)
+        theirs = niah_utils.niah_single_1(tokenizer=tokenizer.name_or_path, max_seq_lengths=[LENGTH])["test"]
+    assert theirs.to_list()[:3] == generated["niah_single_1"]
 
 
 @requires_models
