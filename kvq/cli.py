@@ -342,11 +342,12 @@ def lmeval(
                                batch_size, decode)
         bits = stored_bits(bank)
         typer.echo(ruler_table(result["scores"], result["suite"]))
-        typer.echo(f"bits/element {bits:.4f}; decoded through the {result['decode']} cache; unavailable offline: "
-                   f"{', '.join(UNAVAILABLE_OFFLINE)}")
+        why = f" ({result['reference_reason']})" if result["reference_reason"] else ""
+        typer.echo(f"bits/element {bits:.4f}; decoded through the {result['decode']} cache{why}; unavailable "
+                   f"offline: {', '.join(UNAVAILABLE_OFFLINE)}")
         record = {"format": "kvq-ruler/1", **record, "bits_per_element": bits, "lengths": length_list,
                   "max_new_tokens": max_new_tokens, "batch_size": batch_size, "decode": result["decode"],
-                  "seconds": result["seconds"],
+                  "reference_reason": result["reference_reason"], "seconds": result["seconds"],
                   "scores": result["scores"], "suite": result["suite"], "samples": result["samples"],
                   "unavailable_offline": list(UNAVAILABLE_OFFLINE)}
     else:

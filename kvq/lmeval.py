@@ -1,7 +1,6 @@
 """lm-eval with a kvq quantizer on the KV path, for loglikelihood and generation requests alike. Generation runs
 prompt groups of equal length (kvq.lmeval_decode), through the compiled static cache on CUDA where it applies."""
 
-import logging
 from pathlib import Path
 
 import torch
@@ -11,11 +10,10 @@ from lm_eval.tasks import TaskManager
 
 from kvq.apply import QuantizerBank, quantized_kv
 from kvq.errors import KvqError
+from kvq.generate import cache_keyword
 from kvq.haystack import essays
 from kvq.lmeval_decode import StaticDecoder, equal_length_groups, fast_path_reason, row_local, token_local
 from kvq.protocol import Protocol
-
-log = logging.getLogger("kvq")
 
 
 class QuantizedHFLM(HFLM):
@@ -32,13 +30,13 @@ class QuantizedHFLM(HFLM):
         self.bank = bank
         self.mode = mode
         self.protocol = protocol
-        reason = fast_path_reason(bank, mode, protocol, device) if decode == "auto" else "--decode reference"
+        # why generation runs through the reference cache (None: through the static cache)
+        self.reference_reason = fast_path_reason(bank, mode, protocol, device) if decode == "auto" else \
+            "--decode reference"
         self.static = None
-        if reason is None:
+        if self.reference_reason is None:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_token_id
             self.static = StaticDecoder(self.model, bank, protocol, [self.eot_token_id], pad)
-        elif torch.device(device).type == "cuda":
-            log.info("generation runs through the reference cache: %s", reason)
         self.padded_batches = token_local(bank)
         self.equal_length_batches = self.padded_batches or row_local(bank)
 
@@ -80,6 +78,8 @@ class QuantizedHFLM(HFLM):
         with quantized_kv(self.model, self.bank, self.mode, self.protocol) as forward_kwargs:
             extra = forward_kwargs()
             extra.pop("use_cache")  # generation always caches; hook mode quantizes the projections anyway
+            if "past_key_values" in extra:  # under the name this transformers release takes it by
+                extra[cache_keyword(self.model)] = extra.pop("past_key_values")
             return super()._model_generate(context, max_length, stop, **generation_kwargs, **extra)
 
 

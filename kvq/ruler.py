@@ -238,7 +238,8 @@ def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: 
               protocol: Protocol = Protocol(), max_new_tokens: int | None = None, batch_size: int = 1,
               decode: str = "auto") -> dict:
     """RULER's `tasks` at each length under the bank (None: fp), as JSON: per task and length (a string) the
-    per-sample scores and answers, the score with its interval, the suite's, and each length's seconds.
+    per-sample scores and answers, the score with its interval, the suite's, each length's seconds, and which
+    cache generation ran through (and why the reference one, where it did).
     `batch_size` and `decode` are QuantizedHFLM's; neither changes a score."""
     from kvq.models import cache_dir
 
@@ -266,7 +267,8 @@ def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: 
                                                for task in tasks}))
              for length in lengths}
     return {"samples": samples, "scores": scores, "suite": suite, "seconds": seconds,
-            "decode": "static" if harness.static is not None else "reference"}
+            "decode": "static" if harness.static is not None else "reference",
+            "reference_reason": harness.reference_reason}
 
 
 class _NoAnswers(LM):

@@ -76,6 +76,7 @@ def test_a_batch_gives_each_prompt_its_own_continuation(spec):
     _, alone = _continuations(lm, quantizers, 1, "cpu", protocol)
     harness, together = _continuations(lm, quantizers, 4, "cpu", protocol)
     assert harness.padded_batches == (spec is None or spec.quantizer == "int")
+    assert "CUDA" in harness.reference_reason
     assert together == alone and any(text.strip() for text in alone)
 
 
@@ -96,5 +97,5 @@ def test_on_cuda_the_static_path_answers_as_the_reference_cache_does(spec):
         reference, reference_texts = _continuations(lm, quantizers, 4, "cuda", protocol, decode="reference")
     finally:
         lm.model.to("cpu", torch.float32)
-    assert fast.static is not None and reference.static is None
+    assert fast.static is not None and fast.reference_reason is None and reference.static is None
     assert sum(a == b for a, b in zip(fast_texts, reference_texts, strict=True)) >= 3
