@@ -127,7 +127,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
 
 
-def _held_bytes(cache) -> int | None:
+def cache_bytes(cache) -> int | None:
     """Bytes of K/V a cache holds, where its layers are kvq's or transformers' plain dynamic and static
     layers (None for transformers' quantized layers, whose packed tensors are the backends' own)."""
     from transformers.cache_utils import DynamicLayer, QuantizedLayer, StaticLayer
@@ -220,7 +220,7 @@ def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int
                            min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
                            prefill_chunk_size=prefill_chunk, **kwargs)
     prefill_s, steps_s = clock.seconds()
-    held = _held_bytes(cache if cache is not None else getattr(model, "_cache", None))
+    held = cache_bytes(cache if cache is not None else getattr(model, "_cache", None))
     peak = torch.cuda.max_memory_allocated(prompt.device) if cuda else None
     return _Run(prefill_s, steps_s, held, peak)
 
@@ -230,7 +230,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _release(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -256,7 +256,7 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
             skipped.append({**where, "cache": cache.label, "skipped": str(exc)})
         except torch.OutOfMemoryError:
             skipped.append({**where, "cache": cache.label, "skipped": f"out of memory at batch {batch}"})
-        _release(prompt.device)
+        release_memory(prompt.device)
     runs: dict[str, list[_Run]] = {cache.label: [] for cache in ready}
     collecting = gc.isenabled()
     gc.disable()
@@ -349,7 +349,7 @@ def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, confi
         for length in prompts:
             prompt = torch.randint(0, config.vocab_size, (batch, length), device=device)
             rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk)
-            _release(prompt.device)
+            release_memory(prompt.device)
     return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
             "prefill_chunk": prefill_chunk,
             "copy_bandwidth_Bps": bandwidth, "rows": _with_floors(rows, _weight_read_bytes(model), bandwidth)}

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvq.bench.decode import _held_bytes, _release, decode_model, llama3_8b_like
+from kvq.bench.decode import cache_bytes, decode_model, llama3_8b_like, release_memory
 from kvq.generate import decode_routing, generate, static_cache
 from kvq.gqa_attention import GQA_SDPA_ATTENTION
 from kvq.quant import QuantSpec
@@ -32,12 +32,12 @@ def fits(model, spec: QuantSpec | None, batch: int, context: int, chunk: int) ->
         with torch.no_grad(), decode_routing(model, cache, None if spec is not None else GQA_SDPA_ATTENTION):
             generate(model, prompt, cache, DECODE_STEPS, compiled=False)
         torch.cuda.synchronize(model.device)
-        return _held_bytes(cache)
+        return cache_bytes(cache)
     except torch.OutOfMemoryError:
         return None
     finally:
         del cache
-        _release(model.device)
+        release_memory(model.device)
 
 
 def largest(probe: Callable[[int], int | None], start: int, step: int) -> tuple[int, int | None]:
