@@ -53,6 +53,10 @@ def inline_yaml(text: str, flag: str):
 
     try:
         return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:  # where the parser stopped, and what it wanted there
+        mark = exc.problem_mark
+        raise KvqError(f"{flag}: not YAML at character {mark.column + 1} of line {mark.line + 1} ({text!r}): "
+                       f"{exc.problem}") from None
     except yaml.YAMLError as exc:
         raise KvqError(f"{flag}: not YAML: {str(exc).splitlines()[0]}") from None
 

@@ -56,10 +56,13 @@ NO_MODEL = [
     (["sweep", "policy-rule.yaml"], "field 'policy[1].layers[0]': give exactly one of first, last, layers"),
     (["sweep", "policy-field.yaml"], "field 'policy.v.bitz': unknown field"),
     (["ppl", "--policy", "{k: [8]}"], "policy.k: expected a mapping"),
-    (["ppl", "--policy", "{k: {bits: 8}"], "--policy: not YAML"),
+    (["ppl", "--policy", "{k: {bits: 8}"], "--policy: not YAML at character 14 of line 1"),
     (["lmeval", "--suite", "ruler", "--tasks", "niah_single_9"], "--tasks: niah_single_9 is not a RULER task"),
     (["lmeval", "--suite", "ruler", "--tasks", "ruler_qa_squad"], "reads SQuAD v2 from the hub"),
     (["lmeval", "--suite", "longbench"], "--suite longbench is not a suite kvq runs"),
+    (["lmeval", "--decode", "fast"], "--decode fast: choose auto or reference"),
+    (["lmeval", "--dtype", "int8"], "--dtype int8: choose float32"),
+    (["lmeval", "--policy", "{k: {bits: 8}}"], "--policy sets sites of --quant's quantizer"),
     (["lmeval", "--suite", "ruler", "--lengths", "512"], "--lengths 512: RULER's generators need at least 1024"),
 ]
 WITH_MODEL = [
