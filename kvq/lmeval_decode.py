@@ -1,8 +1,8 @@
 """How kvq's lm-eval harness decodes a batch of generation requests.
 
 lm-eval hands the harness left-padded batches. Padding is not neutral under every quantizer: KIVI's keys share a
-scale per channel over a group of positions, and a per-tensor scale (NVFP4's, FP8's dynamic one) spans the batch,
-so a pad token or a batch-mate would change a prompt's codes. So a batch decodes
+scale per channel over a group of positions, and a scale computed over a whole tensor would span the batch, so a
+pad token or a batch-mate could change a prompt's codes. So a batch decodes
 
 - through `kvq.generate` over a static cache (the packed cache of `kvq.static_cache`, or transformers' static
   cache with SDPA reading each K/V head once for fp), compiled on CUDA, one prompt at a time with the cache
