@@ -12,11 +12,11 @@ Each length runs as its own lm-eval evaluation (lm-eval's `limit` counts documen
 task's score at a length is the mean of lm-eval's per-sample RULER score (the fraction of reference strings in the
 answer), with a percentile bootstrap interval over samples.
 
-lm-eval's generators make 500 documents per task and length whatever the limit, minutes of CPU at 16K tokens, so
-kvq keeps the documents a run used under the cache directory (`documents_kept`), keyed by what makes them: the
-task, the length, the tokenizer's own serialisation and lm-eval's version, with the generators' random states
-seeded per task and length. A machine that cannot run the generators (a GPU node without the essays) runs from
-the documents another machine kept.
+lm-eval's generators make 500 documents per task and length whatever the limit, at a cost that grows with the
+length, so kvq keeps the documents a run used under the cache directory (`documents_kept`), keyed by what makes
+them: the task, the length, the tokenizer's own serialisation and lm-eval's version, with the generators' random
+states seeded per task and length. A machine that cannot run the generators (a GPU node without the essays) runs
+from the documents another machine kept.
 """
 
 import gzip
