@@ -8,7 +8,11 @@ import typer
 
 from kvq.cli_bench import bench_app
 from kvq.cli_common import (
+    batch_size_option,
+    check_generation_options,
+    decode_option,
     device_option,
+    dtype_option,
     exact_prefill_option,
     floats,
     inline_yaml,
@@ -18,8 +22,6 @@ from kvq.cli_common import (
     window_option,
 )
 from kvq.errors import KvqError
-
-MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
 try:  # typer raises its own click fork's usage errors from 0.2x on, click's before
     from typer import TyperException as UsageError
@@ -270,11 +272,9 @@ def lmeval(
     depths: str = typer.Option("0,0.25,0.5,0.75,1", help="kvq_* task needle depths"),
     max_new_tokens: int | None = typer.Option(None, help="--suite ruler: tokens generated per answer (default: "
                                                          "each task's own)"),
-    batch_size: int = typer.Option(1, min=1, help="requests lm-eval hands over at once; prompts of equal length "
-                                                  "decode together where the quantizer allows (scores do not change)"),
-    decode: str = typer.Option("auto", help="auto: on CUDA, generation runs through the compiled static cache "
-                                            "where the quantizer packs; reference: always the reference cache"),
-    dtype: str = typer.Option("float32", help="the model's dtype: float32, float16 or bfloat16"),
+    batch_size: int = batch_size_option(),
+    decode: str = decode_option(),
+    dtype: str = dtype_option(),
     prepare_only: bool = typer.Option(False, "--prepare-only", help="--suite ruler: generate and keep the "
                                       "documents this run reads (under $KVQ_CACHE/ruler), run no model"),
     device: str = device_option(),
@@ -294,10 +294,7 @@ def lmeval(
 
     if suite not in (None, "ruler"):
         raise KvqError(f"--suite {suite} is not a suite kvq runs; it runs ruler")
-    if decode not in ("auto", "reference"):
-        raise KvqError(f"--decode {decode}: choose auto or reference")
-    if dtype not in MODEL_DTYPES:
-        raise KvqError(f"--dtype {dtype}: choose {', '.join(MODEL_DTYPES)}")
+    check_generation_options(decode, dtype)
     spec = parse_spec(quant)
     site_policy = parse_policy(inline_yaml(policy, "--policy")) if policy else parse_policy(None)
     if spec is None and not site_policy.is_default:
@@ -383,9 +380,13 @@ def retrieval(
     exact_prefill: bool = exact_prefill_option(),
     out: Path = typer.Option(Path("runs/retrieval")),
     results: Path = typer.Option(Path("RESULTS.md")),
+    batch_size: int = batch_size_option(),
+    decode: str = decode_option(),
+    dtype: str = dtype_option(),
     device: str = device_option(),
 ):
     """Retrieval accuracy vs context length and depth per quantizer: JSON, table, heatmap, RESULTS.md item."""
+    check_generation_options(decode, dtype)
     from kvq.apply import check_mode, check_protocol
     from kvq.ledger import append_finding
     from kvq.longctx import RetrievalSpec
@@ -397,7 +398,8 @@ def retrieval(
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     specs = [parse_spec(q) for q in quant]
     spec = RetrievalSpec(tuple(int(x) for x in floats(lengths)), floats(depths), samples)
-    records = run_retrieval(model, specs, spec, mode, task, out, device, protocol=protocol)
+    records = run_retrieval(model, specs, spec, mode, task, out, device, protocol=protocol, batch_size=batch_size,
+                            decode=decode, dtype=dtype)
     frame = accuracy_frame(records)
     table = accuracy_table(frame)
     figures = heatmap(frame, out / f"{model}-{task}-heatmap", f"{task} on {model} ({mode} mode)")

@@ -48,6 +48,30 @@ def exact_prefill_option():
     return typer.Option(False, help="cache mode: the first call (the prompt) attends over exact K/V")
 
 
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def batch_size_option():
+    return typer.Option(1, min=1, help="requests lm-eval hands over at once; prompts decode together where the "
+                                       "quantizer allows (scores do not change)")
+
+
+def decode_option():
+    return typer.Option("auto", help="auto: on CUDA, generation runs through the compiled static cache where the "
+                                     "quantizer packs; reference: always the reference cache")
+
+
+def dtype_option():
+    return typer.Option("float32", help="the model's dtype: float32, float16 or bfloat16")
+
+
+def check_generation_options(decode: str, dtype: str) -> None:
+    if decode not in ("auto", "reference"):
+        raise KvqError(f"--decode {decode}: choose auto or reference")
+    if dtype not in MODEL_DTYPES:
+        raise KvqError(f"--dtype {dtype}: choose {', '.join(MODEL_DTYPES)}")
+
+
 def inline_yaml(text: str, flag: str):
     import yaml
 

@@ -1,6 +1,7 @@
 """lm-eval with a kvq quantizer on the KV path, for loglikelihood and generation requests alike. Generation runs
-prompt groups of equal length (kvq.lmeval_decode), through the compiled static cache on CUDA where it applies."""
+batches as kvq.lmeval_decode says, through the compiled static cache on CUDA where it applies."""
 
+import functools
 from pathlib import Path
 
 import torch
@@ -12,7 +13,14 @@ from kvq.apply import QuantizerBank, quantized_kv
 from kvq.errors import KvqError
 from kvq.generate import cache_keyword
 from kvq.haystack import essays
-from kvq.lmeval_decode import StaticDecoder, equal_length_groups, fast_path_reason, row_local, token_local
+from kvq.lmeval_decode import (
+    EQUAL_LENGTH,
+    PADDED,
+    StaticDecoder,
+    equal_length_groups,
+    fast_path_reason,
+    reference_batching,
+)
 from kvq.protocol import Protocol
 
 
@@ -30,15 +38,18 @@ class QuantizedHFLM(HFLM):
         self.bank = bank
         self.mode = mode
         self.protocol = protocol
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_token_id
         # why generation runs through the reference cache (None: through the static cache)
         self.reference_reason = fast_path_reason(bank, mode, protocol, device) if decode == "auto" else \
             "--decode reference"
         self.static = None
         if self.reference_reason is None:
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_token_id
-            self.static = StaticDecoder(self.model, bank, protocol, [self.eot_token_id], pad)
-        self.padded_batches = token_local(bank)
-        self.equal_length_batches = self.padded_batches or row_local(bank)
+            self.static = StaticDecoder(self.model, bank, protocol, [self.eot_token_id], self.pad_token_id)
+
+    @functools.cached_property
+    def reference_batching(self) -> str:
+        """kvq.lmeval_decode.reference_batching of the bank, probed once, when a batch first needs it."""
+        return reference_batching(self.bank)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         with torch.no_grad(), quantized_kv(self.model, self.bank, self.mode, self.protocol) as forward_kwargs:
@@ -52,21 +63,20 @@ class QuantizedHFLM(HFLM):
             mask = torch.ones_like(context)
         new_tokens = max_length - context.shape[1]
         sampled = generation_kwargs.get("do_sample") or generation_kwargs.get("temperature", 0.0) > 0
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
-        out = torch.full((context.shape[0], max_length), pad, dtype=context.dtype, device=context.device)
+        out = torch.full((context.shape[0], max_length), self.pad_token_id, dtype=context.dtype,
+                         device=context.device)
         out[:, :context.shape[1]] = context
         if self.static is not None and not sampled:
-            for length, rows in equal_length_groups(mask):
-                for row in rows:
-                    prompt = context[row:row + 1, context.shape[1] - length:]
-                    out[row, context.shape[1]:] = self.static.continuation(prompt, new_tokens)
+            for row, length in enumerate(mask.sum(-1).tolist()):
+                prompt = context[row:row + 1, context.shape[1] - length:]
+                out[row, context.shape[1]:] = self.static.continuation(prompt, new_tokens)
             return out
-        if self.padded_batches:
+        if context.shape[0] == 1 or self.reference_batching == PADDED:
             done = self._reference_generate(context, max_length, stop, attention_mask=mask, **generation_kwargs)
             out[:, :done.shape[1]] = done
             return out
         for length, rows in equal_length_groups(mask):
-            groups = [rows] if self.equal_length_batches else [[row] for row in rows]
+            groups = [rows] if self.reference_batching == EQUAL_LENGTH else [[row] for row in rows]
             for group in groups:
                 prompts = context[group][:, context.shape[1] - length:]
                 done = self._reference_generate(prompts, length + new_tokens, stop,
@@ -110,16 +120,19 @@ def evaluate(lm: QuantizedHFLM, tasks: list[str], limit: int | None, include_pat
 
 
 def run_task(lm, bank: QuantizerBank | None, mode: str, task: str, limit: int | None, include_path: Path,
-             device: str = "cpu", protocol: Protocol = Protocol()) -> dict:
-    """One task of a LoadedModel under one quantizer (None: fp): its metrics and per-sample rows. A task named
-    NAME@LENGTH is RULER's (kvq.ruler): one of its tasks, or `ruler` for the suite, at LENGTH tokens."""
+             device: str = "cpu", protocol: Protocol = Protocol(), batch_size: int = 1, decode: str = "auto") -> dict:
+    """One task of a LoadedModel under one quantizer (None: fp): its metrics, per-sample rows and the cache
+    generation ran through ("static" or "reference"). A task named NAME@LENGTH is RULER's (kvq.ruler): one of its
+    tasks, or `ruler` for the suite, at LENGTH tokens. `batch_size` and `decode` are QuantizedHFLM's."""
     if "@" in task:
         from kvq.ruler import measure_metric
 
         return measure_metric(lm, bank, mode, task, limit, device, protocol)
-    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol)
+    harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol,
+                            batch_size=batch_size, decode=decode)
     results = evaluate(harness, [task], limit, include_path)
-    return {"metrics": results["results"][task], "samples": per_sample(results, task)}
+    return {"metrics": results["results"][task], "samples": per_sample(results, task),
+            "decode": "reference" if harness.static is None else "static"}
 
 
 def per_sample(results: dict, task: str) -> list[dict]:

@@ -9,8 +9,8 @@ pad token or a batch-mate could change a prompt's codes. So a batch decodes
   reset() between prompts, where the quantizer has a packed layout and the protocol is one that cache holds
   (`fast_path_reason`; the packed kernels attend from the codes only where no row is padded);
 - otherwise through the reference cache: the whole padded batch at once where the quantizer is token-local (a
-  token's codes depend on that token alone: `token_local`), prompts of equal length together where it is
-  row-local (`row_local`), else prompt by prompt.
+  token's codes depend on that token alone), prompts of equal length together where it is row-local, else
+  prompt by prompt (`reference_batching`).
 
 Each prompt gets the continuation it gets alone (up to the order of floating-point sums in batched products),
 so scores do not depend on the batch size.
@@ -67,16 +67,21 @@ def _unchanged_by(bank: QuantizerBank, kept: tuple[slice, slice], edit: tuple[sl
     return True
 
 
-def row_local(bank: QuantizerBank | None) -> bool:
-    """Whether one row's codes do not depend on the batch's other rows."""
-    everything = slice(None)
-    return bank is None or _unchanged_by(bank, (slice(0, 1), everything), (slice(1, 2), everything))
+# how the reference cache takes a left-padded batch (reference_batching)
+PADDED, EQUAL_LENGTH, ONE_BY_ONE = "padded", "equal length", "one by one"
 
 
-def token_local(bank: QuantizerBank | None) -> bool:
-    """Whether a position's codes do not depend on the other positions (so left padding changes none)."""
-    return bank is None or (row_local(bank) and _unchanged_by(bank, (slice(0, 1), slice(8, None)),
-                                                              (slice(0, 1), slice(0, 8))))
+def reference_batching(bank: QuantizerBank | None) -> str:
+    """PADDED where a position's codes depend on that position alone (left padding changes none: per-token codes,
+    TurboQuant, the engine formats), EQUAL_LENGTH where a row's codes depend on that row alone (KIVI's key groups
+    span positions), else ONE_BY_ONE. Probed on random K/V (fp: PADDED)."""
+    if bank is None:
+        return PADDED
+    if not _unchanged_by(bank, (slice(0, 1), slice(None)), (slice(1, 2), slice(None))):
+        return ONE_BY_ONE
+    if _unchanged_by(bank, (slice(0, 1), slice(8, None)), (slice(0, 1), slice(0, 8))):
+        return PADDED
+    return EQUAL_LENGTH
 
 
 def equal_length_groups(attention_mask: torch.Tensor) -> list[tuple[int, list[int]]]:

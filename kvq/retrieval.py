@@ -8,6 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
+import torch
 
 from kvq import models
 from kvq.experiment import make_bank
@@ -27,18 +28,20 @@ def label(spec: QuantSpec | None) -> str:
 
 def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: RetrievalSpec, mode: str,
                   task: str, out_dir: Path, device: str = "cpu", limit: int | None = None,
-                  protocol: Protocol = Protocol()) -> list[dict]:
-    """One lm-eval run of `task` per spec; each result is written to out_dir as JSON and returned."""
+                  protocol: Protocol = Protocol(), batch_size: int = 1, decode: str = "auto",
+                  dtype: str = "float32") -> list[dict]:
+    """One lm-eval run of `task` per spec, the model in `dtype`; each result is written to out_dir as JSON and
+    returned. `batch_size` and `decode` are kvq.lmeval.QuantizedHFLM's."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks are local files
     banks = {label(s): (s, make_bank(model_name, models.load_config(model_name), s) if s else None) for s in specs}
-    lm = models.load(model_name, device=device)
+    lm = models.load(model_name, device=device, dtype=getattr(torch, dtype))
     folder = write_tasks(lm.tokenizer, retrieval, cache_dir() / "tasks")
     records = []
     for name, (spec, bank) in banks.items():
-        result = run_task(lm, bank, mode, task, limit, folder, device, protocol)
+        result = run_task(lm, bank, mode, task, limit, folder, device, protocol, batch_size, decode)
         record = {
             "format": "kvq-retrieval/1", "model": model_name, "mode": mode, "protocol": protocol.to_dict(),
-            "task": task, "label": name,
+            "task": task, "label": name, "dtype": dtype, "decode": result["decode"],
             "quant": spec.to_dict() if spec else None, "retrieval": retrieval.__dict__,
             "accuracy": result["metrics"]["acc,none"], "samples": result["samples"],
             "bits_per_element": bank.measured_bits_per_element() if bank else 16.0, **provenance(device),

@@ -234,6 +234,21 @@ def suite_score(per_task: dict[str, list[float]], seed: int = 0) -> Score:
                                             for _ in range(BOOTSTRAP_SAMPLES)], sum(len(s) for s in tasks))
 
 
+def _evaluations(model: LM, tokenizer, tasks: list[str], lengths: list[int], limit: int | None, **evaluate_kwargs):
+    """lm-eval's evaluation of `tasks` through `model` at each length in turn, over the kept documents
+    (documents_kept): (length, results, seconds) for each."""
+    from kvq.models import cache_dir
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    with documents_kept(cache_dir() / "ruler", tokenizer, limit):
+        for length in lengths:
+            manager = task_manager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer.name_or_path})
+            started = time.perf_counter()
+            results = simple_evaluate(model=model, tasks=tasks, limit=limit, task_manager=manager, bootstrap_iters=0,
+                                      **evaluate_kwargs)
+            yield length, results, time.perf_counter() - started
+
+
 def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: int | None, device: str = "cpu",
               protocol: Protocol = Protocol(), max_new_tokens: int | None = None, batch_size: int = 1,
               decode: str = "auto") -> dict:
@@ -241,26 +256,19 @@ def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: 
     per-sample scores and answers, the score with its interval, the suite's, each length's seconds, and which
     cache generation ran through (and why the reference one, where it did).
     `batch_size` and `decode` are QuantizedHFLM's; neither changes a score."""
-    from kvq.models import cache_dir
-
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol,
                             batch_size=batch_size, decode=decode)
     gen_kwargs = {"max_gen_toks": max_new_tokens} if max_new_tokens else None
     samples: dict[str, dict[str, list[dict]]] = {task: {} for task in tasks}
     seconds: dict[str, float] = {}
-    with documents_kept(cache_dir() / "ruler", lm.tokenizer, limit):
-        for length in lengths:
-            manager = task_manager(metadata={"max_seq_lengths": [length], "tokenizer": lm.tokenizer.name_or_path})
-            started = time.perf_counter()
-            results = simple_evaluate(model=harness, tasks=tasks, limit=limit, log_samples=True, task_manager=manager,
-                                      bootstrap_iters=0, gen_kwargs=gen_kwargs)
-            seconds[str(length)] = time.perf_counter() - started
-            for task in tasks:
-                samples[task][str(length)] = [
-                    {"doc_id": s["doc_id"], "score": s[str(length)], "response": s["filtered_resps"][0],
-                     "outputs": s["doc"]["outputs"], "input_tokens": s["doc"]["length"]}
-                    for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+    for length, results, took in _evaluations(harness, lm.tokenizer, tasks, lengths, limit, log_samples=True,
+                                              gen_kwargs=gen_kwargs):
+        seconds[str(length)] = took
+        for task in tasks:
+            samples[task][str(length)] = [
+                {"doc_id": s["doc_id"], "score": s[str(length)], "response": s["filtered_resps"][0],
+                 "outputs": s["doc"]["outputs"], "input_tokens": s["doc"]["length"]}
+                for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
     scores = {task: {length: asdict(bootstrap([s["score"] for s in rows])) for length, rows in by_length.items()}
               for task, by_length in samples.items()}
     suite = {str(length): asdict(suite_score({task: [s["score"] for s in samples[task][str(length)]]
@@ -286,13 +294,8 @@ class _NoAnswers(LM):
 def prepare_documents(tokenizer, tasks: list[str], lengths: list[int], limit: int | None) -> None:
     """Generates and keeps (documents_kept) the documents a run of `tasks` at `lengths` with `limit` reads, with
     no model: for a machine that runs the model but not the generators."""
-    from kvq.models import cache_dir
-
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    with documents_kept(cache_dir() / "ruler", tokenizer, limit):
-        for length in lengths:
-            manager = task_manager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer.name_or_path})
-            simple_evaluate(model=_NoAnswers(), tasks=tasks, limit=limit, task_manager=manager, bootstrap_iters=0)
+    for _ in _evaluations(_NoAnswers(), tokenizer, tasks, lengths, limit):
+        pass
 
 
 def parse_metric(task: str) -> tuple[list[str], int]:
@@ -313,5 +316,5 @@ def measure_metric(lm, bank, mode: str, task: str, limit: int | None, device: st
     score = result["suite"][str(length)] if len(tasks) > 1 else result["scores"][tasks[0]][str(length)]
     metrics = {"acc,none": score["mean"], "acc_low": score["low"], "acc_high": score["high"],
                "samples": score["samples"], "tasks": {t: result["scores"][t][str(length)] for t in tasks}}
-    return {"metrics": metrics,
+    return {"metrics": metrics, "decode": result["decode"],
             "samples": [{"task": t, **row} for t in tasks for row in result["samples"][t][str(length)]]}

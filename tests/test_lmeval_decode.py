@@ -9,7 +9,7 @@ from lm_eval.api.instance import Instance
 
 from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
 from kvq.lmeval import QuantizedHFLM
-from kvq.lmeval_decode import equal_length_groups, fast_path_reason, row_local, token_local
+from kvq.lmeval_decode import EQUAL_LENGTH, PADDED, equal_length_groups, fast_path_reason, reference_batching
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 
@@ -20,17 +20,16 @@ def bank(name: str, bits: int, granularity: str = "per_token") -> QuantizerBank:
     return QuantizerBank(QuantSpec(name, bits, granularity), GEOMETRY)
 
 
-def test_per_token_codes_are_token_local_and_kivis_channel_groups_only_row_local():
-    assert token_local(None) and row_local(None)
-    assert token_local(bank("int", 4)) and token_local(bank("turbo", 4))
-    kivi = bank("kivi", 2)
-    assert row_local(kivi) and not token_local(kivi)  # a key channel's scale spans a group of positions
+def test_per_token_codes_take_a_padded_batch_and_kivis_channel_groups_prompts_of_equal_length():
+    assert reference_batching(None) == PADDED
+    assert reference_batching(bank("int", 4)) == PADDED and reference_batching(bank("turbo", 4)) == PADDED
+    assert reference_batching(bank("kivi", 2)) == EQUAL_LENGTH  # a key channel's scale spans a group of positions
 
 
 def test_the_locality_probes_leave_the_banks_storage_meters_alone():
     kivi = bank("kivi", 2)
     before = kivi.measured_bits_per_element()
-    row_local(kivi), token_local(kivi)
+    reference_batching(kivi)
     assert kivi.measured_bits_per_element() == before
 
 
@@ -75,7 +74,7 @@ def test_a_batch_gives_each_prompt_its_own_continuation(spec):
     protocol = Protocol(0, True)
     _, alone = _continuations(lm, quantizers, 1, "cpu", protocol)
     harness, together = _continuations(lm, quantizers, 4, "cpu", protocol)
-    assert harness.padded_batches == (spec is None or spec.quantizer == "int")
+    assert harness.reference_batching == (EQUAL_LENGTH if spec and spec.quantizer == "kivi" else PADDED)
     assert "CUDA" in harness.reference_reason
     assert together == alone and any(text.strip() for text in alone)
 
