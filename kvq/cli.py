@@ -352,7 +352,7 @@ def lmeval(
         from kvq.longctx import RetrievalSpec, write_tasks
 
         folder = write_tasks(lm.tokenizer, RetrievalSpec(tuple(length_list), floats(depths)),
-                             models.cache_dir() / "tasks")
+                             models.cache_dir() / "tasks", only=task_list)
         harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol,
                                 batch_size=batch_size, decode=decode)
         results = evaluate(harness, task_list, limit, folder)

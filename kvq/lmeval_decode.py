@@ -42,6 +42,9 @@ def fast_path_reason(bank: QuantizerBank | None, mode: str, protocol: Protocol, 
             reason = bank.get(layer, role).packing_reason()
             if reason is not None:
                 return f"layer {layer} {role.upper()}: {reason}"
+        bits = [bank.get(layer, role).packed_form().layout.bits for role in ("k", "v")]
+        if bits[0] != bits[1]:  # kvq::decode_attention takes one code width for both
+            return f"layer {layer}: the fused decode reads K and V codes of one width, not K{bits[0]}/V{bits[1]}"
     return None
 
 

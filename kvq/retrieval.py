@@ -35,7 +35,7 @@ def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: Ret
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks are local files
     banks = {label(s): (s, make_bank(model_name, models.load_config(model_name), s) if s else None) for s in specs}
     lm = models.load(model_name, device=device, dtype=getattr(torch, dtype))
-    folder = write_tasks(lm.tokenizer, retrieval, cache_dir() / "tasks")
+    folder = write_tasks(lm.tokenizer, retrieval, cache_dir() / "tasks", only=[task])
     records = []
     for name, (spec, bank) in banks.items():
         result = run_task(lm, bank, mode, task, limit, folder, device, protocol, batch_size, decode)

