@@ -2,6 +2,8 @@
 a prompt's codes, and that a batch gives every prompt the continuation it gets alone, through the reference cache
 on CPU and through the compiled static cache on CUDA."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from conftest import loaded, requires_cuda, requires_models
@@ -9,10 +11,18 @@ from lm_eval.api.instance import Instance
 
 from kvq.apply import KVGeometry, QuantizerBank, kv_geometry
 from kvq.lmeval import QuantizedHFLM
-from kvq.lmeval_decode import EQUAL_LENGTH, PADDED, equal_length_groups, fast_path_reason, reference_batching
+from kvq.lmeval_decode import (
+    EQUAL_LENGTH,
+    ONE_BY_ONE,
+    PADDED,
+    equal_length_groups,
+    fast_path_reason,
+    reference_batching,
+)
 from kvq.policy import parse_policy
 from kvq.protocol import Protocol
-from kvq.quant import QuantSpec
+from kvq.quant import QUANTIZERS, QuantizerConfig, QuantSpec, Site
+from kvq.quant.base import Packed, Quantizer
 
 GEOMETRY = KVGeometry(n_layers=2, n_kv_heads=2, head_dim=64)
 
@@ -25,6 +35,41 @@ def test_per_token_codes_take_a_padded_batch_and_kivis_channel_groups_prompts_of
     assert reference_batching(None) == PADDED
     assert reference_batching(bank("int", 4)) == PADDED and reference_batching(bank("turbo", 4)) == PADDED
     assert reference_batching(bank("kivi", 2)) == EQUAL_LENGTH  # a key channel's scale spans a group of positions
+
+
+class WholeTensorScale(Quantizer):
+    """int8 codes under one absmax scale over everything encoded at once: the batch's rows share it."""
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        scale = x.abs().amax().clamp_min(1e-8) / 127
+        return TensorScalePacked(torch.round(x / scale).to(torch.int8), scale, x.dtype)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        return (packed.codes.float() * packed.scale).to(packed.dtype)
+
+    def bits_per_element(self, d: int, n_tokens: int) -> float:
+        return 8.0
+
+
+@dataclass
+class TensorScalePacked(Packed):
+    codes: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class WholeTensorScaleConfig(QuantizerConfig):
+    name = "whole_tensor_scale"  # registered by the test alone: its one scale is no method's contract
+    seeded = False
+
+    def build(self, site: Site, seed: int) -> Quantizer:
+        return WholeTensorScale()
+
+
+def test_a_scale_over_the_whole_batch_decodes_prompt_by_prompt(monkeypatch):
+    monkeypatch.setitem(QUANTIZERS._entries, WholeTensorScaleConfig.name, WholeTensorScaleConfig)
+    assert reference_batching(bank(WholeTensorScaleConfig.name, 8)) == ONE_BY_ONE
 
 
 def test_the_locality_probes_leave_the_banks_storage_meters_alone():
