@@ -343,9 +343,7 @@ def lmeval(
         typer.echo(f"bits/element {bits:.4f}; decoded through the {result['decode']} cache{why}; unavailable "
                    f"offline: {', '.join(UNAVAILABLE_OFFLINE)}")
         record = {"format": "kvq-ruler/1", **record, "bits_per_element": bits, "lengths": length_list,
-                  "max_new_tokens": max_new_tokens, "batch_size": batch_size, "decode": result["decode"],
-                  "reference_reason": result["reference_reason"], "seconds": result["seconds"],
-                  "scores": result["scores"], "suite": result["suite"], "samples": result["samples"],
+                  "max_new_tokens": max_new_tokens, "batch_size": batch_size, **result,
                   "unavailable_offline": list(UNAVAILABLE_OFFLINE)}
     else:
         from kvq.lmeval import QuantizedHFLM, evaluate, per_sample

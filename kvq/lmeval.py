@@ -46,6 +46,11 @@ class QuantizedHFLM(HFLM):
         if self.reference_reason is None:
             self.static = StaticDecoder(self.model, bank, protocol, [self.eot_token_id], self.pad_token_id)
 
+    @property
+    def decoded_through(self) -> str:
+        """The cache generation runs through: "static" or "reference"."""
+        return "reference" if self.static is None else "static"
+
     @functools.cached_property
     def reference_batching(self) -> str:
         """kvq.lmeval_decode.reference_batching of the bank, probed once, when a batch first needs it."""
@@ -102,6 +107,13 @@ def stored_bits(bank: QuantizerBank | None) -> float:
     return measured if measured is not None else bank.bits_per_element(1)
 
 
+def stored_bits_by_length(bank: QuantizerBank | None, protocol: Protocol, lengths) -> dict[str, float]:
+    """Bits per element of the whole cache at each prompt length: stored_bits for the quantized tokens, 16 for the
+    protocol's exact window (Protocol.stored_bits_per_element)."""
+    bits = stored_bits(bank)
+    return {str(n): bits if bank is None else protocol.stored_bits_per_element(bits, n) for n in lengths}
+
+
 def task_manager(include_path: Path | None = None, metadata: dict | None = None) -> TaskManager:
     """lm-eval's tasks, with kvq's own from `include_path`; `metadata` reaches tasks that build their documents
     (RULER's lengths and tokenizer)."""
@@ -132,7 +144,7 @@ def run_task(lm, bank: QuantizerBank | None, mode: str, task: str, limit: int | 
                             batch_size=batch_size, decode=decode)
     results = evaluate(harness, [task], limit, include_path)
     return {"metrics": results["results"][task], "samples": per_sample(results, task),
-            "decode": "reference" if harness.static is None else "static"}
+            "decode": harness.decoded_through}
 
 
 def per_sample(results: dict, task: str) -> list[dict]:

