@@ -15,9 +15,9 @@ from kvq.cli_common import (
     dtype_option,
     exact_prefill_option,
     floats,
-    inline_yaml,
     outer_progress,
     parse_options,
+    policy_from_yaml,
     progress_bar,
     window_option,
 )
@@ -61,7 +61,6 @@ def ppl(
     from kvq import models
     from kvq.apply import check_mode, check_protocol
     from kvq.experiment import DataSpec, eval_windows, make_bank, measure
-    from kvq.policy import parse_policy
     from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant import QuantSpec
@@ -70,7 +69,7 @@ def ppl(
 
     spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option),
                      str(calibration) if calibration else None)
-    site_policy = parse_policy(inline_yaml(policy, "--policy")) if policy else parse_policy(None)
+    site_policy = policy_from_yaml(policy)
     data = DataSpec(corpus, seq_len, n_windows, batch_size)
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     bank = make_bank(model, models.load_config(model), spec, site_policy)
@@ -286,7 +285,6 @@ def lmeval(
     from kvq import models
     from kvq.apply import check_mode, check_protocol
     from kvq.experiment import make_bank
-    from kvq.policy import parse_policy
     from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant.spec import parse_spec
@@ -296,7 +294,7 @@ def lmeval(
         raise KvqError(f"--suite {suite} is not a suite kvq runs; it runs ruler")
     check_generation_options(decode, dtype)
     spec = parse_spec(quant)
-    site_policy = parse_policy(inline_yaml(policy, "--policy")) if policy else parse_policy(None)
+    site_policy = policy_from_yaml(policy)
     if spec is None and not site_policy.is_default:
         raise KvqError("--policy sets sites of --quant's quantizer; give --quant a quantizer")
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
@@ -369,6 +367,7 @@ def lmeval(
 def retrieval(
     model: str = typer.Option("qwen2.5-coder-0.5b"),
     quant: list[str] = typer.Option(["fp", "int:4"], help="repeatable: fp or NAME[:BITS[:GRANULARITY[:GROUP]]][,k=v]"),
+    policy: str = typer.Option("", help="per-site policy as YAML over each quantized --quant, e.g. '{k: {bits: 8}}'"),
     task: str = typer.Option("kvq_passkey", help="kvq_passkey, kvq_vt or kvq_niah (needle-in-a-haystack)"),
     lengths: str = typer.Option("512,1024,2048"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1"),
@@ -397,7 +396,7 @@ def retrieval(
     specs = [parse_spec(q) for q in quant]
     spec = RetrievalSpec(tuple(int(x) for x in floats(lengths)), floats(depths), samples)
     records = run_retrieval(model, specs, spec, mode, task, out, device, protocol=protocol, batch_size=batch_size,
-                            decode=decode, dtype=dtype)
+                            decode=decode, dtype=dtype, policy=policy_from_yaml(policy))
     frame = accuracy_frame(records)
     table = accuracy_table(frame)
     figures = heatmap(frame, out / f"{model}-{task}-heatmap", f"{task} on {model} ({mode} mode)")

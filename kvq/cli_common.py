@@ -85,6 +85,13 @@ def inline_yaml(text: str, flag: str):
         raise KvqError(f"{flag}: not YAML: {str(exc).splitlines()[0]}") from None
 
 
+def policy_from_yaml(text: str):
+    """--policy's YAML as a kvq.policy.SitePolicy (the default policy where the flag is empty)."""
+    from kvq.policy import parse_policy
+
+    return parse_policy(inline_yaml(text, "--policy") if text else None)
+
+
 def parse_options(pairs: list[str]) -> dict:
     from kvq.quant.spec import parse_scalar
 

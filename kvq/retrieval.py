@@ -11,29 +11,37 @@ import pandas as pd
 import torch
 
 from kvq import models
+from kvq.errors import KvqError
 from kvq.experiment import make_bank
 from kvq.ledger import markdown_table
 from kvq.lmeval import run_task, stored_bits, stored_bits_by_length
 from kvq.longctx import RetrievalSpec, write_tasks
 from kvq.models import cache_dir
+from kvq.policy import SitePolicy
 from kvq.protocol import Protocol
 from kvq.provenance import provenance
 from kvq.quant import QuantSpec
 from kvq.store import write_json_atomic
 
 
-def label(spec: QuantSpec | None) -> str:
-    return "fp" if spec is None else spec.label()
+def label(spec: QuantSpec | None, policy: SitePolicy = SitePolicy()) -> str:
+    if spec is None:
+        return "fp"
+    return spec.label() if policy.is_default else f"{spec.label()}+{policy.label()}"
 
 
 def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: RetrievalSpec, mode: str,
                   task: str, out_dir: Path, device: str = "cpu", limit: int | None = None,
                   protocol: Protocol = Protocol(), batch_size: int = 1, decode: str = "auto",
-                  dtype: str = "float32") -> list[dict]:
-    """One lm-eval run of `task` per spec, the model in `dtype`; each result is written to out_dir as JSON and
-    returned. `batch_size` and `decode` are kvq.lmeval.QuantizedHFLM's."""
+                  dtype: str = "float32", policy: SitePolicy = SitePolicy()) -> list[dict]:
+    """One lm-eval run of `task` per spec (under `policy`'s per-site settings where it quantizes), the model in
+    `dtype`; each result is written to out_dir as JSON and returned. `batch_size` and `decode` are
+    kvq.lmeval.QuantizedHFLM's."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks are local files
-    banks = {label(s): (s, make_bank(model_name, models.load_config(model_name), s) if s else None) for s in specs}
+    if not policy.is_default and not any(specs):
+        raise KvqError("--policy sets sites of a --quant quantizer; give --quant a quantizer")
+    config = models.load_config(model_name)
+    banks = {label(s, policy): (s, make_bank(model_name, config, s, policy) if s else None) for s in specs}
     lm = models.load(model_name, device=device, dtype=getattr(torch, dtype))
     folder = write_tasks(lm.tokenizer, retrieval, cache_dir() / "tasks", only=[task])
     records = []
@@ -42,7 +50,8 @@ def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: Ret
         record = {
             "format": "kvq-retrieval/1", "model": model_name, "mode": mode, "protocol": protocol.to_dict(),
             "task": task, "label": name, "dtype": dtype, "decode": result["decode"],
-            "quant": spec.to_dict() if spec else None, "retrieval": retrieval.__dict__,
+            "quant": spec.to_dict() if spec else None, "policy": policy.to_dict() if spec else None,
+            "retrieval": retrieval.__dict__,
             "accuracy": result["metrics"]["acc,none"], "samples": result["samples"],
             "bits_per_element": stored_bits(bank),
             "stored_bits_per_element": stored_bits_by_length(bank, protocol, retrieval.lengths), **provenance(device),

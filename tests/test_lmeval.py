@@ -94,18 +94,20 @@ def test_cli_writes_git_tagged_json(tmp_path):
     assert "commit" in record["git"] and "kvq_passkey: acc" in done.stdout
 
 
-def test_retrieval_finding_counts_the_samples_and_records_count_the_window_in_the_bits(tmp_path):
+def test_retrieval_finding_counts_the_samples_and_records_count_a_policy_and_the_window_in_the_bits(tmp_path):
     from conftest import run_kvq
 
     ledger = tmp_path / "RESULTS.md"
     done = run_kvq("retrieval", "--model", "smollm2-135m", "--quant", "fp", "--quant", "int:4", "--lengths", "256",
-                   "--depths", "0,1", "--exact-prefill", "--window", "64", "--out", str(tmp_path / "out"),
-                   "--results", str(ledger))
+                   "--policy", "{k: {bits: 8}}", "--depths", "0,1", "--exact-prefill", "--window", "64",
+                   "--out", str(tmp_path / "out"), "--results", str(ledger))
     assert done.returncode == 0, done.stderr
     records = {r["label"]: r for r in (json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json"))}
     assert len(records) == 2
     assert "2 samples per method is 1 lengths x 2 depths x 1" in ledger.read_text()
-    int4 = records["int-4b-per_token"]
-    assert int4["bits_per_element"] == 4 + 32 / 64  # codes and an fp32 scale per 64-element head vector
-    assert int4["stored_bits_per_element"] == {"256": (64 * 16 + 192 * int4["bits_per_element"]) / 256}
+    k8v4 = records["int-4b-per_token+k[bits=8]"]
+    assert k8v4["policy"]["k"] == {"bits": 8}
+    # K and V halves of the cache: codes and an fp32 scale per 64-element head vector each
+    assert k8v4["bits_per_element"] == (8 + 32 / 64 + 4 + 32 / 64) / 2
+    assert k8v4["stored_bits_per_element"] == {"256": (64 * 16 + 192 * k8v4["bits_per_element"]) / 256}
     assert records["fp"]["stored_bits_per_element"] == {"256": 16.0}
