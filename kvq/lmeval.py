@@ -62,7 +62,7 @@ class QuantizedHFLM(HFLM):
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         """The batch's continuations as HFLM returns them ((B, max_length): the padded context, then each
-        prompt's new tokens, padded), each prompt decoded without padding (kvq.lmeval_decode)."""
+        prompt's new tokens, padded), each prompt's as it decodes alone (kvq.lmeval_decode)."""
         mask = generation_kwargs.pop("attention_mask", None)
         if mask is None:
             mask = torch.ones_like(context)
@@ -72,9 +72,8 @@ class QuantizedHFLM(HFLM):
                          device=context.device)
         out[:, :context.shape[1]] = context
         if self.static is not None and not sampled:
-            for row, length in enumerate(mask.sum(-1).tolist()):
-                prompt = context[row:row + 1, context.shape[1] - length:]
-                out[row, context.shape[1]:] = self.static.continuation(prompt, new_tokens)
+            prompts = [row[-length:] for row, length in zip(context, mask.sum(-1).tolist(), strict=True)]
+            out[:, context.shape[1]:] = self.static.continuations(prompts, new_tokens)
             return out
         if context.shape[0] == 1 or self.reference_batching == PADDED:
             done = self._reference_generate(context, max_length, stop, attention_mask=mask, **generation_kwargs)

@@ -5,9 +5,10 @@ scale per channel over a group of positions, and a scale computed over a whole t
 pad token or a batch-mate could change a prompt's codes. So a batch decodes
 
 - through `kvq.generate` over a static cache (the packed cache of `kvq.static_cache`, or transformers' static
-  cache with SDPA reading each K/V head once for fp), compiled on CUDA, one prompt at a time with the cache
-  reset() between prompts, where the quantizer has a packed layout and the protocol is one that cache holds
-  (`fast_path_reason`; the packed kernels attend from the codes only where no row is padded);
+  cache with SDPA reading each K/V head once for fp), compiled on CUDA, the padded batch at once with the cache
+  reset() between batches, where the quantizer has a packed layout and the protocol is one that cache holds
+  (`fast_path_reason`). Packed layouts are token-local, so padding changes no prompt's codes; the packed kernels
+  attend from the codes where no row is padded, a padded batch's steps read the cache dequantized under the mask;
 - otherwise through the reference cache: the whole padded batch at once where the quantizer is token-local (a
   token's codes depend on that token alone), prompts of equal length together where it is row-local, else
   prompt by prompt (`reference_batching`).
@@ -95,39 +96,43 @@ def equal_length_groups(attention_mask: torch.Tensor) -> list[tuple[int, list[in
 
 
 class StaticDecoder:
-    """Greedy continuations of single prompts through one static cache per capacity, reset() between prompts."""
+    """Greedy continuations of a batch of prompts through one static cache per (capacity, rows), reset() between
+    batches. The packed layouts are token-local, so left padding changes no prompt's codes."""
 
     def __init__(self, model, bank: QuantizerBank | None, protocol: Protocol, stop_tokens: list[int],
                  pad_token_id: int):
         self.model, self.bank, self.protocol = model, bank, protocol
         self.stop_tokens, self.pad_token_id = stop_tokens, pad_token_id
-        self._caches: dict[int, object] = {}
+        self._caches: dict[tuple[int, int], object] = {}
 
-    def _cache(self, tokens: int):
+    def _cache(self, tokens: int, rows: int):
         from transformers import StaticCache
 
         from kvq.static_cache import StaticQuantizedCache
 
         capacity = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
-        if capacity not in self._caches:
+        if (capacity, rows) not in self._caches:
             config = self.model.config
-            self._caches[capacity] = (
+            self._caches[capacity, rows] = (
                 StaticCache(config=config, max_cache_len=capacity) if self.bank is None else
                 StaticQuantizedCache(self.bank, config, capacity, min(self.protocol.window, capacity)).allocate(
-                    self.model, 1))
-        cache = self._caches[capacity]
+                    self.model, rows))
+        cache = self._caches[capacity, rows]
         cache.reset()
         return cache
 
-    def continuation(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """(1, L) prompt -> (max_new_tokens,) new tokens, through the stop token, then padding."""
+    def continuations(self, prompts: list[torch.Tensor], max_new_tokens: int) -> torch.Tensor:
+        """B prompts of any lengths ((L_i,) token ids) -> (B, max_new_tokens) new tokens, each row through its
+        stop token, then padding."""
         from kvq.generate import decode_routing, generate
         from kvq.gqa_attention import GQA_SDPA_ATTENTION
 
-        cache = self._cache(prompt.shape[-1] + max_new_tokens)
+        cache = self._cache(max(p.numel() for p in prompts) + max_new_tokens, len(prompts))
         with torch.no_grad(), decode_routing(self.model, cache, GQA_SDPA_ATTENTION if self.bank is None else None):
-            (row,) = generate(self.model, prompt, cache, max_new_tokens, stop_tokens=self.stop_tokens,
-                              pad_token_id=self.pad_token_id)
-        out = torch.full((max_new_tokens,), self.pad_token_id, dtype=row.dtype, device=row.device)
-        out[:row.numel()] = row
+            rows = generate(self.model, prompts, cache, max_new_tokens, stop_tokens=self.stop_tokens,
+                            pad_token_id=self.pad_token_id)
+        out = torch.full((len(prompts), max_new_tokens), self.pad_token_id, dtype=rows[0].dtype,
+                         device=rows[0].device)
+        for i, row in enumerate(rows):
+            out[i, :row.numel()] = row
         return out

@@ -1,6 +1,6 @@
 """How the lm-eval harness decodes batches (kvq.lmeval_decode): which quantizers let padding or batch-mates into
 a prompt's codes, and that a batch gives every prompt the continuation it gets alone, through the reference cache
-on CPU and through the compiled static cache on CUDA."""
+and the static cache on CPU and through the compiled static cache on CUDA."""
 
 from dataclasses import dataclass
 
@@ -15,6 +15,7 @@ from kvq.lmeval_decode import (
     EQUAL_LENGTH,
     ONE_BY_ONE,
     PADDED,
+    StaticDecoder,
     equal_length_groups,
     fast_path_reason,
     reference_batching,
@@ -125,6 +126,22 @@ def test_a_batch_gives_each_prompt_its_own_continuation(spec):
     assert harness.reference_batching == (EQUAL_LENGTH if spec and spec.quantizer == "kivi" else PADDED)
     assert "CUDA" in harness.reference_reason
     assert together == alone and any(text.strip() for text in alone)
+
+
+@requires_models
+@pytest.mark.model
+@pytest.mark.parametrize("spec", [None, QuantSpec("int", 4)], ids=["fp", "int4"])
+def test_the_static_cache_gives_each_prompt_of_a_padded_batch_its_own_continuation(spec):
+    """The static decoder takes lm-eval's padded batch at once: each row's tokens are those it decodes alone."""
+    lm = loaded("smollm2-135m")
+    quantizers = QuantizerBank(spec, kv_geometry(lm.model.config)) if spec else None
+    decoder = StaticDecoder(lm.model, quantizers, Protocol(16, True), [lm.tokenizer.eos_token_id], 0)
+    prompts = [torch.tensor(lm.tokenizer(r.args[0])["input_ids"]) for r in _requests(lm.tokenizer, 12)]
+    assert len({p.numel() for p in prompts}) == 3  # a padded batch
+    together = decoder.continuations(prompts, 12)
+    alone = torch.cat([decoder.continuations([p], 12) for p in prompts])
+    assert together.shape == (4, 12) and torch.equal(together, alone)
+    assert len(set(map(tuple, together.tolist()))) > 1  # the prompts' answers differ
 
 
 @requires_cuda
