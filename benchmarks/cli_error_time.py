@@ -13,6 +13,7 @@ import time
 CASES = {
     "bits out of range": ["ppl", "--bits", "12"],
     "unknown option": ["sweep", "--bogus", "x"],
+    "sweep file missing": ["sweep", "no-such-sweep.yaml"],
     "unknown model": ["ppl", "--model", "/no/such/model/dir"],
 }
 

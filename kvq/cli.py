@@ -117,6 +117,9 @@ def sweep(
     cluster: str = typer.Option(None, help="slurm: 'slurm', or 'local' to run the jobs as processes here"),
 ):
     """Run every cell of a YAML sweep (resumable), then plot and append a finding to RESULTS.md."""
+    from kvq.yamlspec import load_located
+
+    load_located(config)  # an unreadable or malformed file is reported before the measuring path is imported
     from kvq import executors
     from kvq.executors.driver import SweepIncomplete
     from kvq.ledger import append_finding
