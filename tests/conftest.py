@@ -1,7 +1,10 @@
 import importlib.util
+import json
 import subprocess
 import sys
+import tempfile
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +31,18 @@ def loaded(name: str):
 def run_kvq(*args: str, cwd=None, timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "kvq", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, check=False, env=env)
+
+
+def run_kvq_in_one_process(cases: list[tuple[Path, list[str]]], timeout: int = 1800) -> list[dict]:
+    """Each (working directory, arguments) through kvq's CLI, all in one fresh process (tests/cli_batch.py):
+    {"code", "stdout", "stderr"} per case, in order."""
+    with tempfile.TemporaryDirectory() as batch:
+        listed, results = Path(batch) / "cases.json", Path(batch) / "results.json"
+        listed.write_text(json.dumps([{"cwd": str(cwd), "args": list(args)} for cwd, args in cases]))
+        done = subprocess.run([sys.executable, str(Path(__file__).with_name("cli_batch.py")), str(listed),
+                               str(results)], capture_output=True, text=True, timeout=timeout, check=False)
+        assert done.returncode == 0, done.stderr
+        return json.loads(results.read_text())
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,8 +1,10 @@
 """Every user error through the real CLI: one `kvq: error:` line naming the argument or field, exit 2,
 no traceback, nothing written."""
 
+from pathlib import Path
+
 import pytest
-from conftest import requires_models, run_kvq
+from conftest import requires_models, run_kvq, run_kvq_in_one_process
 
 SPEC = "name: t\nmodels: [smollm2-135m]\ndata: {seq_len: 32, n_windows: 1}\ngrid:\n  quantizer: [int]\n"
 BOMB = "\n".join(
@@ -90,34 +92,65 @@ WITH_MODEL = [
 ]
 
 
-def _bad_input(tmp_path, args, fragment):
-    for name, content in INPUTS.items():
-        path = tmp_path / name
-        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    done = run_kvq(*args, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvq: error: "), done.stderr
-    assert fragment in lines[0] and "Traceback" not in done.stderr
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "a failed command wrote files"
+def _run_all(tmp_path_factory, cases: list) -> list[tuple]:
+    """Each case in its own directory holding INPUTS, all through the CLI in one process: (directory, what it held
+    before, the outcome) per case."""
+    dirs = []
+    for _ in cases:
+        here = tmp_path_factory.mktemp("case")
+        for name, content in INPUTS.items():
+            path = here / name
+            path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+        dirs.append(here)
+    before = [_listing(d) for d in dirs]
+    outcomes = run_kvq_in_one_process([(d, args) for d, (args, _) in zip(dirs, cases, strict=True)])
+    return list(zip(dirs, before, outcomes, strict=True))
 
 
-@pytest.mark.parametrize("args,fragment", NO_MODEL)
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, fragment):
-    _bad_input(tmp_path, args, fragment)
+def _listing(directory: Path) -> list[Path]:
+    return sorted(p.relative_to(directory) for p in directory.rglob("*"))
+
+
+def _check_bad_input(outcome: tuple, fragment: str) -> None:
+    directory, before, done = outcome
+    assert done["code"] == 2, done["stderr"]
+    lines = done["stderr"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvq: error: "), done["stderr"]
+    assert fragment in lines[0] and "Traceback" not in done["stderr"]
+    assert _listing(directory) == before, "a failed command wrote files"
 
 
 @pytest.fixture(scope="module")
-def converted_model():
-    """The one-time GGUF conversion (a cache fill with its own progress bar) happens here, not inside
-    a command whose stderr is under test."""
+def without_model(tmp_path_factory):
+    return _run_all(tmp_path_factory, NO_MODEL)
+
+
+@pytest.mark.parametrize("index", range(len(NO_MODEL)), ids=[fragment for _, fragment in NO_MODEL])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(without_model, index):
+    _check_bad_input(without_model[index], NO_MODEL[index][1])
+
+
+def test_one_bad_input_in_a_process_of_its_own_is_one_line_too(tmp_path):
+    """The batch runs every case in one process; this one runs alone, as a user's shell runs it."""
+    (tmp_path / "spec.yaml").write_text(INPUTS["int-option.yaml"])
+    done = run_kvq("sweep", "spec.yaml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "kvq: error: spec.yaml:6: field 'grid.options': int has no option 'S'; it takes no options"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]
+
+
+@pytest.fixture(scope="module")
+def with_model(tmp_path_factory):
+    """The one-time GGUF conversion (a cache fill with its own progress bar) happens first, not inside a command
+    whose stderr is under test."""
     from kvq import models
 
     models.resolve("smollm2-135m")
+    return _run_all(tmp_path_factory, WITH_MODEL)
 
 
 @requires_models
-@pytest.mark.parametrize("args,fragment", WITH_MODEL)
-def test_bad_input_checked_against_the_model(tmp_path, converted_model, args, fragment):
-    _bad_input(tmp_path, args, fragment)
+@pytest.mark.parametrize("index", range(len(WITH_MODEL)), ids=[fragment for _, fragment in WITH_MODEL])
+def test_bad_input_checked_against_the_model(with_model, index):
+    _check_bad_input(with_model[index], WITH_MODEL[index][1])

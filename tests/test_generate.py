@@ -4,7 +4,7 @@ padded batch, fp16 or kvq's static cache), seeded sampling, stop tokens, cache r
 
 import pytest
 import torch
-from conftest import requires_cuda, requires_models, run_kvq
+from conftest import requires_cuda, requires_models, run_kvq, run_kvq_in_one_process
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvq import generate
@@ -259,19 +259,29 @@ def test_sampling_settings_are_checked(sampling, fragment):
         generate.Sampling(**sampling)
 
 
-@requires_models
-@pytest.mark.model
-@pytest.mark.parametrize("args,fragment", [
+BAD_GENERATE_ARGUMENTS = [
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", ""], "--prompt 2 is empty"),
     (["--quant", "kivi:4"], "the static quantized cache stores packed layouts only"),
     (["--stop", "two words"], "a stop string must be one token"),
-])
-def test_kvq_generate_bad_arguments_are_one_line_and_exit_2(tmp_path, args, fragment):
-    done = run_kvq("generate", "--prompt", "To be", "--max-new-tokens", "4", "--device", "cpu", *args, cwd=tmp_path)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvq: error: "), done.stderr
-    assert fragment in lines[0]
+]
+
+
+@pytest.fixture(scope="module")
+def bad_generate_runs(tmp_path_factory):
+    return run_kvq_in_one_process([
+        (tmp_path_factory.mktemp("generate"), ["generate", "--prompt", "To be", "--max-new-tokens", "4", "--device",
+                                               "cpu", *args]) for args, _ in BAD_GENERATE_ARGUMENTS])
+
+
+@requires_models
+@pytest.mark.model
+@pytest.mark.parametrize("index", range(len(BAD_GENERATE_ARGUMENTS)), ids=[f for _, f in BAD_GENERATE_ARGUMENTS])
+def test_kvq_generate_bad_arguments_are_one_line_and_exit_2(bad_generate_runs, index):
+    done = bad_generate_runs[index]
+    lines = done["stderr"].strip().splitlines()
+    assert done["code"] == 2 and len(lines) == 1 and lines[0].startswith("kvq: error: "), done["stderr"]
+    assert BAD_GENERATE_ARGUMENTS[index][1] in lines[0]
 
 
 @requires_models
