@@ -13,10 +13,9 @@ import itertools
 
 import torch
 
+from kvq import ops
 from kvq.bench.kernels import packed_layers
 from kvq.bench.timing import time_per_layer
-from kvq.kernels.decode_attention import DecodeStep, decode_attention
-from kvq.kernels.launch import LaunchConfig
 
 
 def main() -> None:
@@ -30,11 +29,11 @@ def main() -> None:
         query = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
         maps = torch.linalg.qr(torch.randn(128, 128, device="cuda"))[0]
         for block, warps, stages, waves in itertools.product((32, 64, 128), (2, 4), (1, 2, 3, 4, 5), (None, 2, 4, 8)):
-            launch = LaunchConfig(block, warps, stages, waves, partial="triton")
+            launch = ops.LaunchConfig(block, warps, stages, waves, partial="triton")
 
             def step(keys, values, launch=launch, query=query, window=window, maps=maps):
-                return decode_attention(query, DecodeStep(keys, values, (window, window), maps, maps.T), 128 ** -0.5,
-                                        launch)
+                reads = ops.DecodeStep(keys, values, (window, window), maps, maps.T)
+                return ops.decode_attention(query, reads, 128 ** -0.5, launch=launch)
 
             try:
                 seconds = time_per_layer(step, caches, "cuda")

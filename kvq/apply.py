@@ -17,11 +17,9 @@ from kvq import ops
 from kvq.attention import SCORE_ATTENTION, WINDOW_ATTENTION, switch_attention, uses_score_path
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
-from kvq.protocol import Protocol
+from kvq.protocol import MODES, Protocol
 from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
 from kvq.quant.exact import Exact
-
-MODES = ("hook", "cache")
 
 
 def check_mode(mode: str) -> str:

@@ -25,9 +25,6 @@ from kvq import ops
 from kvq.apply import QuantizerBank, attention_modules
 from kvq.attention import FUSED_ATTENTION, switch_attention
 from kvq.errors import KvqError
-from kvq.kernels.decode_attention import DecodeStep, PackedKV
-from kvq.kernels.decode_graph import DecodeGraph
-from kvq.kernels.plan import packed_codes
 from kvq.quant.base import Packed
 from kvq.quant.layout import PackedForm
 
@@ -128,9 +125,10 @@ class PackedStore:
         layout = form.layout
         self.form = form
         # whole capacity (decode graphs take it); the first `length` rows are filled
-        self.buffers = PackedKV(torch.empty(*lead_shape, 0, layout.code_bytes, dtype=torch.uint8, device=device),
-                                torch.empty(*lead_shape, 0, layout.groups, dtype=layout.scale_dtype, device=device),
-                                layout.bits, layout.head_dim)
+        self.buffers = ops.PackedKV(
+            torch.empty(*lead_shape, 0, layout.code_bytes, dtype=torch.uint8, device=device),
+            torch.empty(*lead_shape, 0, layout.groups, dtype=layout.scale_dtype, device=device),
+            layout.bits, layout.head_dim)
         self.length = 0
 
     @staticmethod
@@ -144,14 +142,14 @@ class PackedStore:
         held = self.buffers.codes.shape[-2]
         if end > held:
             capacity = end + self.MIN_GROWTH if not held else max(end, int(self.GROWTH * held), held + self.MIN_GROWTH)
-            self.buffers = PackedKV(self._grown(self.buffers.codes, capacity, self.length),
-                                    self._grown(self.buffers.scales, capacity, self.length), self.buffers.bits,
-                                    self.buffers.head_dim)
+            self.buffers = ops.PackedKV(self._grown(self.buffers.codes, capacity, self.length),
+                                        self._grown(self.buffers.scales, capacity, self.length), self.buffers.bits,
+                                        self.buffers.head_dim)
         self.buffers.codes.narrow(-2, self.length, end - self.length).copy_(codes)
         self.buffers.scales.narrow(-2, self.length, end - self.length).copy_(scales)
         self.length = end
 
-    def view(self) -> PackedKV:
+    def view(self) -> ops.PackedKV:
         return self.buffers.rows(self.length)
 
     def held_bytes(self) -> int:
@@ -176,6 +174,11 @@ class DomainMaps:
         self.query = (key_rotation.T / key_lam).contiguous()
         self.output = (value_rotation / value_lam[:, None]).contiguous()
 
+    def step(self, keys: ops.PackedKV, values: ops.PackedKV,
+             window: tuple[torch.Tensor, torch.Tensor]) -> ops.DecodeStep:
+        """What a decode attention step reads: packed K and V, the exact window's K and V, and these maps."""
+        return ops.DecodeStep(keys, values, window, self.query, self.output)
+
 
 class FusedLayer(WindowedLayer):
     def __init__(self, bank: QuantizerBank, layer: int, residual: int):
@@ -189,7 +192,7 @@ class FusedLayer(WindowedLayer):
         self.slots: list[list[torch.Tensor]] = []  # per window row: its (K, V) views
         self.count = 0
         self.maps: DomainMaps | None = None
-        self.decode_graph = DecodeGraph()
+        self.decode_graph = ops.decode_graph()
         # True while fused_decoding routes the model's attention to attend(): only then may a decode step
         # leave K/V packed and return the new row alone
         self.rerouted = False
@@ -242,7 +245,7 @@ class FusedLayer(WindowedLayer):
                 chunk = pending[role][..., :flush, :]
                 codes, scales = ops.quantize(chunk, self.forms[role])
                 self.stores[role].append(codes, scales)
-                self.quantizers[role].meter(packed_codes(codes, scales, chunk.shape, chunk.dtype), chunk.numel())
+                self.quantizers[role].meter(ops.packed_codes(codes, scales, chunk.shape, chunk.dtype), chunk.numel())
             if total > flush:
                 self._write_window(0, pending["k"][..., flush:, :], pending["v"][..., flush:, :])
         self.count = total - flush
@@ -269,8 +272,7 @@ class FusedLayer(WindowedLayer):
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) straight from the packed codes."""
         keys, values = self.stores["k"], self.stores["v"]
         writes, self.unwritten = self.unwritten or ([], []), None
-        step = DecodeStep(keys.buffers, values.buffers, (self.raw["k"], self.raw["v"]), self.maps.query,
-                          self.maps.output)
+        step = self.maps.step(keys.buffers, values.buffers, (self.raw["k"], self.raw["v"]))
         out = self.decode_graph(query.squeeze(-2), step, scaling, (keys.length, self.count), writes)
         self.fused_steps += 1
         return out.unsqueeze(1)

@@ -19,6 +19,7 @@ from kvq.cli_common import (
     parse_options,
     policy_from_yaml,
     progress_bar,
+    show_notes,
     window_option,
 )
 from kvq.errors import KvqError
@@ -60,7 +61,8 @@ def ppl(
     """Perplexity of one model under one quantizer (or per-site policy), against its fp baseline."""
     from kvq import models
     from kvq.apply import check_mode, check_protocol
-    from kvq.experiment import DataSpec, eval_windows, make_bank, measure
+    from kvq.data import DataSpec
+    from kvq.experiment import eval_windows, make_bank, measure
     from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant import QuantSpec
@@ -117,9 +119,9 @@ def sweep(
     cluster: str = typer.Option(None, help="slurm: 'slurm', or 'local' to run the jobs as processes here"),
 ):
     """Run every cell of a YAML sweep (resumable), then plot and append a finding to RESULTS.md."""
-    from kvq.yamlspec import load_located
+    from kvq.sweep_spec import load_sweep
 
-    load_located(config)  # an unreadable or malformed file is reported before the measuring path is imported
+    spec = load_sweep(config)  # a bad sweep file is reported before the measuring path is imported
     from kvq import executors
     from kvq.executors.driver import SweepIncomplete
     from kvq.ledger import append_finding
@@ -127,9 +129,7 @@ def sweep(
     from kvq.report import status_report, sweep_finding
     from kvq.results import load_files
     from kvq.sweep import sweep_dir, sweep_status
-    from kvq.sweep_spec import load_sweep
 
-    spec = load_sweep(config)
     settings = executors.executor_settings(config, {
         "name": executor, "address": ray_address, "gpus": gpus, "cpus": cpus, "retries": retries,
         "partition": partition, "time": time_limit, "cells_per_job": cells_per_job, "cluster": cluster})
@@ -297,9 +297,7 @@ def lmeval(
         raise KvqError(f"--suite {suite} is not a suite kvq runs; it runs ruler")
     check_generation_options(decode, dtype)
     spec = parse_spec(quant)
-    site_policy = policy_from_yaml(policy)
-    if spec is None and not site_policy.is_default:
-        raise KvqError("--policy sets sites of --quant's quantizer; give --quant a quantizer")
+    site_policy = policy_from_yaml(policy, quantized=spec is not None)
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
     length_list = [int(x) for x in floats(lengths)]
     if suite == "ruler":
@@ -399,7 +397,7 @@ def retrieval(
     specs = [parse_spec(q) for q in quant]
     spec = RetrievalSpec(tuple(int(x) for x in floats(lengths)), floats(depths), samples)
     records = run_retrieval(model, specs, spec, mode, task, out, device, protocol=protocol, batch_size=batch_size,
-                            decode=decode, dtype=dtype, policy=policy_from_yaml(policy))
+                            decode=decode, dtype=dtype, policy=policy_from_yaml(policy, quantized=any(specs)))
     frame = accuracy_frame(records)
     table = accuracy_table(frame)
     figures = heatmap(frame, out / f"{model}-{task}-heatmap", f"{task} on {model} ({mode} mode)")
@@ -485,6 +483,7 @@ def _fail(message: str) -> None:
 
 def main() -> None:
     _quiet_libraries()
+    show_notes()
     try:
         app(standalone_mode=False)
     except KvqError as exc:

@@ -1,5 +1,6 @@
 """Options and parsers the `kvq` command's modules share."""
 
+import logging
 import sys
 import time
 
@@ -7,6 +8,21 @@ import typer
 from tqdm import tqdm
 
 from kvq.errors import KvqError
+
+
+class _Notes(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        typer.echo(f"kvq: {record.getMessage()}", err=True)  # the stderr of the moment, as typer's errors
+
+
+def show_notes() -> None:
+    """kvq's own notes (a built-in model's one-time conversion, a kernel's fallback to the reference) as
+    `kvq: ...` lines on stderr; the library logs them and never prints."""
+    notes = logging.getLogger("kvq")
+    if not any(isinstance(handler, _Notes) for handler in notes.handlers):  # once per process
+        notes.addHandler(_Notes())
+    notes.setLevel(logging.INFO)
+    notes.propagate = False
 
 
 def progress_bar(desc: str):
@@ -85,11 +101,15 @@ def inline_yaml(text: str, flag: str):
         raise KvqError(f"{flag}: not YAML: {str(exc).splitlines()[0]}") from None
 
 
-def policy_from_yaml(text: str):
-    """--policy's YAML as a kvq.policy.SitePolicy (the default policy where the flag is empty)."""
+def policy_from_yaml(text: str, quantized: bool = True):
+    """--policy's YAML as a kvq.policy.SitePolicy (the default policy where the flag is empty); a policy over no
+    quantizer (`quantized` False: every --quant is fp) is a user error."""
     from kvq.policy import parse_policy
 
-    return parse_policy(inline_yaml(text, "--policy") if text else None)
+    policy = parse_policy(inline_yaml(text, "--policy") if text else None)
+    if not quantized and not policy.is_default:
+        raise KvqError("--policy sets sites of a --quant quantizer; give --quant a quantizer")
+    return policy
 
 
 def parse_options(pairs: list[str]) -> dict:

@@ -7,11 +7,26 @@ documents is calibration text, the rest is evaluation text, so held-out windows 
 """
 
 import importlib.util
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from kvq.errors import KvqError
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Which text a perplexity cell scores, in windows of how many tokens, how many, in batches of how many."""
+
+    corpus: str = "shakespeare"
+    seq_len: int = 256
+    n_windows: int = 8
+    batch_size: int = 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
 
 SPLITS = ("eval", "calib")
 CALIB_FRACTION = 0.25

@@ -1,26 +1,13 @@
 """One perplexity measurement: a model, token windows, and a quantizer spec on the KV path."""
 
-from dataclasses import asdict, dataclass
-
 from kvq import models
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.calibrate import load_learned
-from kvq.data import token_windows
+from kvq.data import DataSpec, token_windows
 from kvq.policy import SitePolicy
 from kvq.ppl import PplResult, Progress, perplexity
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    corpus: str = "shakespeare"
-    seq_len: int = 256
-    n_windows: int = 8
-    batch_size: int = 2
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def make_bank(model_name: str, config, spec: QuantSpec, policy: SitePolicy = SitePolicy()) -> QuantizerBank:

@@ -1,13 +1,15 @@
 """Digests of what a measured number depends on beyond its config, and of records themselves.
 
 - `code_version`: the kvq sources a cell's measurement runs, read as code: the shared measuring path (the
-  modules the cell runner imports, every kernel source, and any module nothing reaches statically), plus the
-  modules of the cell's own quantizers and what they import, plus those of the metrics it measures beyond
-  perplexity (lm-eval tasks), which a perplexity cell never imports. Comments, docstrings and layout are left out, so
-  rewording a comment keeps results current, while any change to what runs makes the cells that run it
-  stale, and only those: an edit to `kvq/quant/qjl.py` stales QJL's cells. A new module is shared until it
-  is listed here as presentation or reached only from a quantizer's module, so an unlisted change can only
-  make results stale, never silently current.
+  modules the cell runner imports, and any module nothing reaches statically), plus the modules of the cell's own
+  quantizers and what they import, plus those of the metrics it measures beyond perplexity (lm-eval tasks), which
+  a perplexity cell never imports, plus for a cell measured on an accelerator (or one measuring lm-eval tasks,
+  which may decode on one) the kernels' builds, launches and sources, which a CPU measurement never imports.
+  Comments, docstrings and layout are left out, so rewording a comment keeps results current, while any change to
+  what runs makes the cells that run it stale, and only those: an edit to `kvq/quant/qjl.py` stales QJL's cells,
+  one to a CUDA kernel the cells measured on a GPU. A new module is shared until it is listed here as
+  presentation, metric or kernel, or reached only from a quantizer's or a metric's modules, so an unlisted change
+  can only make results stale, never silently current.
 - `corpus_digest`: the text of a corpus, so an edited corpus file is a different baseline.
 - `file_digest`: a calibration artifact's bytes.
 - `record_digest`: a JSON record's content, so a record edited by hand no longer verifies.
@@ -41,6 +43,14 @@ METRIC_MODULES = {
     "lmeval": frozenset({"generate.py", "gqa_attention.py", "haystack.py", "lmeval.py", "lmeval_decode.py",
                          "longctx.py", "retrieval.py", "ruler.py", "tasks/__init__.py", "tasks/scoring.py"}),
 }
+# The kernels' builds, launches and sources: kvq.ops imports them on an accelerator only (on a CPU the torch
+# reference serves), so they are digested for cells measured on one and for cells of lm-eval tasks (which may
+# decode through the static cache on one), never for a perplexity cell on a CPU (a test measures one and checks
+# that it imports none of them).
+ACCELERATOR_MODULES = frozenset({
+    "kernels/backends.py", "kernels/cuda_decode.py", "kernels/decode_attention.py", "kernels/decode_graph.py",
+    "kernels/launch.py", "kernels/source.py", "kernels/triton_decode.py",
+})
 # What measures every cell, whichever executor runs it.
 MEASURING_ENTRY = "sweep.py"
 KERNEL_SOURCES = PACKAGE_DIR / "kernels" / "csrc"
@@ -65,6 +75,10 @@ def _is_presentation(path: Path) -> bool:
 
 def _is_metric_module(path: Path) -> bool:
     return any(_in(path, names) for names in METRIC_MODULES.values())
+
+
+def _is_accelerator_only(path: Path) -> bool:
+    return _in(path, ACCELERATOR_MODULES) or path.is_relative_to(KERNEL_SOURCES)
 
 
 def _name(path: Path) -> str:
@@ -106,13 +120,15 @@ def _imports(path: Path) -> frozenset[Path]:
     return frozenset(found)
 
 
-def _reach(starts: Iterable[Path], within_metrics: bool = False) -> set[Path]:
+def _reach(starts: Iterable[Path], within_metrics: bool = False, accelerator: bool = False) -> set[Path]:
     """The measuring modules `starts` import, directly or through each other (presentation modules are neither
-    digested nor followed; metric modules only when `within_metrics`)."""
+    digested nor followed; metric modules only when `within_metrics`, the kernels' modules only on an
+    `accelerator`)."""
     seen, todo = set(), list(starts)
     while todo:
         path = todo.pop()
-        if path in seen or _is_presentation(path) or (_is_metric_module(path) and not within_metrics):
+        if (path in seen or _is_presentation(path) or (_is_metric_module(path) and not within_metrics)
+                or (_is_accelerator_only(path) and not accelerator)):
             continue
         seen.add(path)
         todo.extend(_imports(path))
@@ -128,27 +144,36 @@ def _quantizer_modules() -> dict[str, Path]:
             for name in QUANTIZERS.names()}
 
 
+def _kernel_sources() -> set[Path]:
+    return {p for p in KERNEL_SOURCES.rglob("*") if p.is_file()}
+
+
 @cache
-def _shared_files() -> frozenset[Path]:
-    """What every cell runs: the cell runner's imports, every kernel source, and every measuring module that
-    neither the runner nor any quantizer's module reaches (loaded by name, say), since an edit there must not
-    leave a result silently current."""
-    measuring = {p for p in PACKAGE_DIR.rglob("*.py") if not _is_presentation(p) and not _is_metric_module(p)}
-    shared = _reach([PACKAGE_DIR / MEASURING_ENTRY])
-    reached = shared | _reach(p for p in _quantizer_modules().values() if p.is_relative_to(PACKAGE_DIR))
-    kernels = {p for p in KERNEL_SOURCES.rglob("*") if p.is_file()}
-    return frozenset(shared | (measuring - reached) | kernels)
+def _shared_files(accelerator: bool) -> frozenset[Path]:
+    """What every cell on a CPU (or on an `accelerator`) runs: the cell runner's imports (on an accelerator every
+    kernel source too), and every measuring module that neither the runner, nor any quantizer's module, nor any
+    metric's reaches (loaded by name, say), since an edit there must not leave a result silently current."""
+    measuring = {p for p in PACKAGE_DIR.rglob("*.py") if not _is_presentation(p) and not _is_metric_module(p)
+                 and (accelerator or not _is_accelerator_only(p))}
+    shared = _reach([PACKAGE_DIR / MEASURING_ENTRY], accelerator=accelerator)
+    reached = (shared | _reach((p for p in _quantizer_modules().values() if p.is_relative_to(PACKAGE_DIR)),
+                               accelerator=accelerator)
+               | set().union(*(_metric_files(metric) for metric in METRIC_MODULES)))
+    return frozenset(shared | (measuring - reached) | (_kernel_sources() if accelerator else set()))
 
 
 def _metric_files(metric: str) -> set[Path]:
+    """A metric's modules and what they import, the kernels included: lm-eval tasks may decode on an accelerator."""
     return _reach((PACKAGE_DIR / name for name in METRIC_MODULES[metric] if (PACKAGE_DIR / name).is_file()),
-                  within_metrics=True)
+                  within_metrics=True, accelerator=True) | _kernel_sources()
 
 
-def measuring_files(quantizers: Iterable[str] = (), metrics: Iterable[str] = ()) -> list[Path]:
-    """The sources a measurement with these quantizers (none: fp) of these metrics beyond perplexity runs."""
+def measuring_files(quantizers: Iterable[str] = (), metrics: Iterable[str] = (),
+                    accelerator: bool = False) -> list[Path]:
+    """The sources a measurement with these quantizers (none: fp) of these metrics beyond perplexity runs, on a
+    CPU or on an `accelerator`."""
     modules = _quantizer_modules()
-    files = _shared_files() | _reach(modules[name] for name in quantizers)
+    files = _shared_files(accelerator) | _reach((modules[name] for name in quantizers), accelerator=accelerator)
     for metric in metrics:
         files |= _metric_files(metric)
     return sorted(files)
@@ -197,11 +222,12 @@ def _code(path: Path) -> bytes:
 
 
 @cache
-def code_version(quantizers: frozenset[str] = frozenset(), metrics: frozenset[str] = frozenset()) -> str:
-    """Digest of the sources a measurement with these quantizers (none: fp) of these metrics runs (names and
-    code); fixed for a process's life."""
+def code_version(quantizers: frozenset[str] = frozenset(), metrics: frozenset[str] = frozenset(),
+                 accelerator: bool = False) -> str:
+    """Digest of the sources a measurement with these quantizers (none: fp) of these metrics runs on a CPU or on
+    an `accelerator` (names and code); fixed for a process's life."""
     chunks = []
-    for path in measuring_files(quantizers, metrics):
+    for path in measuring_files(quantizers, metrics, accelerator):
         chunks += [_name(path).encode(), _code(path)]
     return _sha(*chunks)
 
@@ -216,7 +242,8 @@ def measuring_context(device: str, quantizers: Iterable[str] = (),
     """What a number measured now with these quantizers (none: fp) of these metrics beyond perplexity depends on
     besides its config and data."""
     installed = versions()
-    return {"code": code_version(frozenset(quantizers), frozenset(metrics)), "torch": installed["torch"],
+    accelerator = device_kind(device) != "cpu"
+    return {"code": code_version(frozenset(quantizers), frozenset(metrics), accelerator), "torch": installed["torch"],
             "transformers": installed["transformers"], "device": device_kind(device)}
 
 

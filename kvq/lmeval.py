@@ -110,7 +110,7 @@ def stored_bits_by_length(bank: QuantizerBank | None, protocol: Protocol, length
     """Bits per element of the whole cache at each prompt length: stored_bits for the quantized tokens, 16 for the
     protocol's exact window (Protocol.stored_bits_per_element)."""
     bits = stored_bits(bank)
-    return {str(n): bits if bank is None else protocol.stored_bits_per_element(bits, n) for n in lengths}
+    return {str(n): protocol.stored_bits_per_element(bits, n) for n in lengths}
 
 
 def task_manager(include_path: Path | None = None, metadata: dict | None = None) -> TaskManager:

@@ -22,8 +22,8 @@ import torch
 from kvq.apply import QuantizerBank
 from kvq.protocol import Protocol
 
-# a static cache's length is rounded up to this many tokens, so prompts of nearby lengths share one cache (and one
-# CUDA graph of the compiled step)
+# a new static cache holds the batch's prompts and new tokens rounded up to this many tokens, plus this many, so
+# later batches (lm-eval's tasks ask for different numbers of new tokens) fit in it and share its compiled step
 CAPACITY_STEP = 1024
 
 
@@ -96,8 +96,9 @@ def equal_length_groups(attention_mask: torch.Tensor) -> list[tuple[int, list[in
 
 
 class StaticDecoder:
-    """Greedy continuations of a batch of prompts through one static cache per (capacity, rows), reset() between
-    batches. The packed layouts are token-local, so left padding changes no prompt's codes."""
+    """Greedy continuations of a batch of prompts through a static cache reset() between batches: the smallest
+    one already built for the batch's rows that holds it, else a new one. The packed layouts are token-local, so
+    left padding changes no prompt's codes."""
 
     def __init__(self, model, bank: QuantizerBank | None, protocol: Protocol, stop_tokens: list[int],
                  pad_token_id: int):
@@ -110,7 +111,8 @@ class StaticDecoder:
 
         from kvq.static_cache import StaticQuantizedCache
 
-        capacity = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+        held = sorted(capacity for capacity, cache_rows in self._caches if cache_rows == rows and capacity >= tokens)
+        capacity = held[0] if held else (-(-tokens // CAPACITY_STEP) + 1) * CAPACITY_STEP
         if (capacity, rows) not in self._caches:
             config = self.model.config
             self._caches[capacity, rows] = (

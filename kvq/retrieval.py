@@ -11,7 +11,6 @@ import pandas as pd
 import torch
 
 from kvq import models
-from kvq.errors import KvqError
 from kvq.experiment import make_bank
 from kvq.ledger import markdown_table
 from kvq.lmeval import run_task, stored_bits, stored_bits_by_length
@@ -38,8 +37,6 @@ def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: Ret
     `dtype`; each result is written to out_dir as JSON and returned. `batch_size` and `decode` are
     kvq.lmeval.QuantizedHFLM's."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks are local files
-    if not policy.is_default and not any(specs):
-        raise KvqError("--policy sets sites of a --quant quantizer; give --quant a quantizer")
     config = models.load_config(model_name)
     banks = {label(s, policy): (s, make_bank(model_name, config, s, policy) if s else None) for s in specs}
     lm = models.load(model_name, device=device, dtype=getattr(torch, dtype))

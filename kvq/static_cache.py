@@ -20,7 +20,6 @@ from kvq import ops
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.cache import DomainMaps, held_bytes
 from kvq.errors import KvqError
-from kvq.kernels.decode_attention import DecodeStep, PackedKV
 from kvq.quant.layout import PackedForm
 
 ROLES = ("k", "v")
@@ -42,7 +41,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 raise KvqError(f"the static quantized cache stores packed layouts only: {quantizer.packing_reason()}")
             self.forms[role] = quantizer.packed_form()
         self.max_cache_len, self.window = max_cache_len, window
-        self.packed: dict[str, PackedKV] = {}
+        self.packed: dict[str, ops.PackedKV] = {}
         self.ring: dict[str, torch.Tensor] = {}
         # Set by the attention function at prefill: whether every query row sees every written position (no
         # padding), the condition for attending from the codes, whose kernels take no mask
@@ -53,7 +52,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         lead = key_states.shape[:2]
         for role, form in self.forms.items():
             layout = form.layout
-            self.packed[role] = PackedKV(
+            self.packed[role] = ops.PackedKV(
                 torch.zeros(*lead, self.max_cache_len, layout.code_bytes, dtype=torch.uint8, device=self.device),
                 torch.zeros(*lead, self.max_cache_len, layout.groups, dtype=layout.scale_dtype, device=self.device),
                 layout.bits, layout.head_dim)
@@ -63,7 +62,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             ops.dequantize(*ops.quantize(key_states.new_zeros(1, form.layout.head_dim), form), form, self.dtype)
         self.maps = DomainMaps(self.forms["k"], self.forms["v"], self.device)
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens written
-        # (packed << 32 | window) rows the kernels attend over: kvq.kernels.decode_attention.device_lengths
+        # (packed << 32 | window) rows the kernels attend over: kvq.kernels.step.device_lengths
         self.counts = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.positions = torch.arange(self.max_cache_len, device=self.device)
         if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs replay over them, copying none
@@ -113,8 +112,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) from the codes and the ring."""
-        step = DecodeStep(self.packed["k"], self.packed["v"], (self.ring["k"], self.ring["v"]), self.maps.query,
-                          self.maps.output)
+        step = self.maps.step(self.packed["k"], self.packed["v"], (self.ring["k"], self.ring["v"]))
         return ops.decode_attention(query.squeeze(-2), step, scaling, self.counts).unsqueeze(1)
 
     @torch.compiler.disable  # runs between graphs, so nothing it keeps lands in a CUDA graph's memory pool

@@ -7,11 +7,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from kvq.apply import MODES
+from kvq.data import DataSpec
 from kvq.errors import KvqError
-from kvq.experiment import DataSpec
 from kvq.policy import SitePolicy, parse_policy
-from kvq.protocol import Protocol
+from kvq.protocol import MODES, Protocol
 from kvq.quant import QUANTIZERS, SCALAR_FIELDS, QuantSpec, check_options, is_seeded, used_fields
 from kvq.quant.scalar import GRANULARITIES, GROUPED, SCALE_DTYPES
 from kvq.yamlspec import Fields, LocatedMapping, load_located

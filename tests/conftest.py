@@ -52,7 +52,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.gpu])]
 def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group: int, device: str,
                   generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32):
     """Packed K or V as the fused cache holds them: Gaussian rows through a per-group ScalarQuantizer."""
-    from kvq.kernels.decode_attention import PackedKV
+    from kvq.kernels.step import PackedKV
     from kvq.ops import SCALE_DTYPE_NAMES
     from kvq.quant.scalar import ScalarQuantizer
 

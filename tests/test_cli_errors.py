@@ -67,7 +67,7 @@ NO_MODEL = [
     (["retrieval", "--decode", "fast"], "--decode fast: choose auto or reference"),
     (["retrieval", "--dtype", "half"], "--dtype half: choose float32"),
     (["retrieval", "--quant", "fp", "--policy", "{k: {bits: 8}}"], "--policy sets sites of a --quant quantizer"),
-    (["lmeval", "--policy", "{k: {bits: 8}}"], "--policy sets sites of --quant's quantizer"),
+    (["lmeval", "--policy", "{k: {bits: 8}}"], "--policy sets sites of a --quant quantizer"),
     (["lmeval", "--suite", "ruler", "--lengths", "512"], "--lengths 512: RULER's generators need at least 1024"),
 ]
 WITH_MODEL = [

@@ -143,57 +143,71 @@ def test_the_code_of_every_measuring_source_is_the_same_under_another_python_ver
     assert there == here
 
 
-def _digests(package: Path, cells: list[tuple[frozenset[str], frozenset[str]]]) -> list[str]:
-    """code_version of each (quantizers, metrics) pair, computed by a fresh process from the kvq package at
-    `package`."""
+def _digests(package: Path, cells: list[tuple[frozenset[str], frozenset[str], bool]]) -> list[str]:
+    """code_version of each (quantizers, metrics, on an accelerator), computed by a fresh process from the kvq
+    package at `package`."""
     script = ("import sys; from kvq.fingerprint import code_version; "
-              "print(*(code_version(*(frozenset(part.split(',')) - {''} for part in s.split('|'))) "
-              "for s in sys.argv[1:]))")
-    arguments = [",".join(sorted(quantizers)) + "|" + ",".join(sorted(metrics)) for quantizers, metrics in cells]
+              "print(*(code_version(*(frozenset(part.split(',')) - {''} for part in s.split('|')[:2]), "
+              "s.endswith('|gpu')) for s in sys.argv[1:]))")
+    arguments = [",".join(sorted(quantizers)) + "|" + ",".join(sorted(metrics)) + ("|gpu" if gpu else "|cpu")
+                 for quantizers, metrics, gpu in cells]
     done = subprocess.run([sys.executable, "-c", script, *arguments], cwd=package.parent, capture_output=True,
                           text=True, check=True, env={"PATH": "", "PYTHONPATH": str(package.parent)})
     return done.stdout.split()
 
 
-@pytest.mark.parametrize("edit", ["quantizer", "shared", "comment", "metric"])
+EDITS = {"quantizer": ("quant/qjl.py", "_EDITED = 1\n"), "shared": ("apply.py", "_EDITED = 1\n"),
+         "comment": ("quant/qjl.py", "# a reworded note\n"), "metric": ("longctx.py", "_EDITED = 1\n"),
+         "kernel launch": ("kernels/launch.py", "_EDITED = 1\n"),
+         "kernel source": ("kernels/csrc/decode_attention.cu", "#define KVQ_EDITED 1\n")}
+
+
+@pytest.mark.parametrize("edit", EDITS)
 def test_an_edit_stales_the_cells_that_run_what_it_changed_and_no_others(tmp_path, edit):
     """A cell's code digest covers what its measurement runs: an edit to one quantizer's module changes only the
     digests of cells that use it, an edit to the shared path changes every digest (the fp baseline's too), an
-    edit to a module only lm-eval tasks run changes only the digests of cells that measure them, and an edit to
-    a comment changes none."""
+    edit to a module only lm-eval tasks run changes only the digests of cells that measure them, an edit to the
+    kernels' builds, launches or sources only those of cells measured on an accelerator or measuring lm-eval tasks,
+    and an edit to a comment changes none."""
     package = tmp_path / "kvq"
     shutil.copytree(PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
     none, lmeval = frozenset(), frozenset({"lmeval"})
-    cells = [(frozenset(), none), (frozenset({"qjl"}), none), (frozenset({"turbo"}), none),
-             (frozenset({"kivi"}), none), (frozenset({"srft"}), none), (frozenset({"srft", "qjl"}), none),
-             (frozenset(), lmeval), (frozenset({"kivi"}), lmeval)]
+    cpu, gpu = False, True
+    cells = [(frozenset(), none, cpu), (frozenset({"qjl"}), none, cpu), (frozenset({"turbo"}), none, cpu),
+             (frozenset({"kivi"}), none, cpu), (frozenset({"srft"}), none, cpu),
+             (frozenset({"srft", "qjl"}), none, cpu), (frozenset(), lmeval, cpu), (frozenset({"kivi"}), lmeval, cpu),
+             (frozenset(), none, gpu), (frozenset({"srft"}), none, gpu)]
     before = _digests(package, cells)
-    target, line = {"quantizer": ("quant/qjl.py", "_EDITED = 1\n"), "shared": ("apply.py", "_EDITED = 1\n"),
-                    "comment": ("quant/qjl.py", "# a reworded note\n"), "metric": ("longctx.py", "_EDITED = 1\n")}[edit]
+    target, line = EDITS[edit]
     with (package / target).open("a") as source:
         source.write(line)
     after = _digests(package, cells)
     changed = [cell for cell, old, new in zip(cells, before, after, strict=True) if old != new]
-    expected = {"quantizer": [(frozenset({"qjl"}), none), (frozenset({"srft", "qjl"}), none)], "shared": cells,
-                "comment": [], "metric": [(frozenset(), lmeval), (frozenset({"kivi"}), lmeval)]}
+    on_gpu_or_lmeval = [cell for cell in cells if cell[2] or cell[1] == lmeval]
+    expected = {"quantizer": [(frozenset({"qjl"}), none, cpu), (frozenset({"srft", "qjl"}), none, cpu)],
+                "shared": cells, "comment": [],
+                "metric": [(frozenset(), lmeval, cpu), (frozenset({"kivi"}), lmeval, cpu)],
+                "kernel launch": on_gpu_or_lmeval, "kernel source": on_gpu_or_lmeval}
     assert changed == expected[edit]
 
 
 @requires_models
 def test_a_perplexity_cell_imports_no_module_of_another_metric(tmp_path):
-    """What keeps lm-eval's modules out of a perplexity cell's digest: measuring perplexity and KL never
-    imports them."""
+    """What keeps lm-eval's modules and the kernels' out of a CPU perplexity cell's digest: measuring perplexity
+    and KL on a CPU (hook and cache mode, quantizers with and without a packed layout) never imports them."""
     (tmp_path / "r.yaml").write_text(PERPLEXITY_SPEC)
+    (tmp_path / "h.yaml").write_text(PERPLEXITY_SPEC.replace("name: r", "name: h").replace("mode: cache", "mode: hook"))
     script = textwrap.dedent("""
         import sys
         from kvq.cli import main
-        from kvq.fingerprint import METRIC_MODULES, PACKAGE_DIR
-        sys.argv = ["kvq", "sweep", "r.yaml", "--runs-dir", "runs", "--results", "R.md"]
-        try:
-            main()
-        except SystemExit as exit:
-            assert not exit.code, exit.code
-        names = {name for modules in METRIC_MODULES.values() for name in modules}
+        from kvq.fingerprint import ACCELERATOR_MODULES, METRIC_MODULES, PACKAGE_DIR
+        for spec in ("r.yaml", "h.yaml"):
+            sys.argv = ["kvq", "sweep", spec, "--runs-dir", "runs", "--results", "R.md"]
+            try:
+                main()
+            except SystemExit as exit:
+                assert not exit.code, exit.code
+        names = {name for modules in METRIC_MODULES.values() for name in modules} | ACCELERATOR_MODULES
         loaded = [m.__name__ for m in list(sys.modules.values())
                   if getattr(m, "__file__", None) and m.__file__.startswith(str(PACKAGE_DIR))
                   and m.__file__[len(str(PACKAGE_DIR)) + 1:] in names]
@@ -201,5 +215,5 @@ def test_a_perplexity_cell_imports_no_module_of_another_metric(tmp_path):
         """)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert len(list((tmp_path / "runs" / "r").glob("*.json"))) == 2
+    assert [len(list((tmp_path / "runs" / name).glob("*.json"))) for name in "rh"] == [2, 2]
     assert "loaded []" in done.stdout, done.stdout

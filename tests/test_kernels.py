@@ -19,10 +19,11 @@ from conftest import random_packed, requires_cuda
 from kvq import ops
 from kvq.kernels import cuda_decode
 from kvq.kernels.backends import KernelBackend
-from kvq.kernels.decode_attention import DecodeStep, decode_attention_gpu, decode_attention_reference
+from kvq.kernels.decode_attention import decode_attention_gpu
 from kvq.kernels.launch import LaunchConfig, resident_programs, split_counts
 from kvq.kernels.plan import kernel_constants, kernel_defines, packed_codes, unsupported_reason
 from kvq.kernels.source import kernel_text, translation_unit
+from kvq.kernels.step import DecodeStep, decode_attention_reference
 from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer

@@ -144,6 +144,28 @@ def test_the_static_cache_gives_each_prompt_of_a_padded_batch_its_own_continuati
     assert len(set(map(tuple, together.tolist()))) > 1  # the prompts' answers differ
 
 
+@requires_models
+@pytest.mark.model
+def test_a_batch_that_fits_a_static_cache_already_built_decodes_in_it(monkeypatch):
+    """lm-eval's tasks ask for different numbers of new tokens: a later batch that a cache built for its rows can
+    hold decodes in that cache (so in its compiled step), and only one it cannot hold builds another."""
+    from kvq.static_cache import StaticQuantizedCache
+
+    lm = loaded("smollm2-135m")
+    built, allocate = [], StaticQuantizedCache.allocate
+    monkeypatch.setattr(StaticQuantizedCache, "allocate", lambda cache, model, rows: (
+        built.append(rows), allocate(cache, model, rows))[1])
+    quantizers = QuantizerBank(QuantSpec("int", 4), kv_geometry(lm.model.config))
+    decoder = StaticDecoder(lm.model, quantizers, Protocol(16, True), [lm.tokenizer.eos_token_id], 0)
+    prompt = torch.tensor(lm.tokenizer("To be, or not to be, that is the question: " * 8)["input_ids"])
+    decoder.continuations([prompt, prompt], 4)
+    decoder.continuations([prompt[:-20], prompt[:-20]], 24)  # fewer prompt tokens, more new ones
+    assert built == [2]
+    decoder.continuations([prompt], 4)  # another number of rows
+    decoder.continuations([prompt.repeat(24), prompt.repeat(24)], 4)  # more tokens than the first cache holds
+    assert built == [2, 1, 2]
+
+
 @requires_cuda
 @requires_models
 @pytest.mark.gpu

@@ -5,8 +5,9 @@ import torch
 from conftest import loaded, requires_models
 
 from kvq.apply import ProtocolWriteCache, quantized_kv
+from kvq.data import DataSpec
 from kvq.errors import KvqError
-from kvq.experiment import DataSpec, eval_windows, make_bank
+from kvq.experiment import eval_windows, make_bank
 from kvq.ppl import perplexity
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec

@@ -5,10 +5,9 @@ dequantize-then-SDPA, at Llama-3-8B-like shapes."""
 import torch
 import torch.nn.functional as F
 
-from kvq import kernels, ops
+from kvq import ops
 from kvq.bench.timing import LAYERS, copy_bandwidth, peak_bandwidth, time_call, time_per_layer
 from kvq.errors import KvqError
-from kvq.kernels.decode_attention import DecodeStep, PackedKV, decode_attention, packed_read_bytes
 from kvq.quant.packing import pack
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
@@ -54,12 +53,12 @@ def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int 
 
 
 def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group: int, device: str,
-                  generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32) -> PackedKV:
+                  generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32) -> ops.PackedKV:
     """Random codes over +-qmax with scales that give K/V of unit size whatever the width."""
     high = 1 << (bits - 1)
     codes = torch.randint(1 - high, high, (batch, heads, tokens, d), generator=generator)
     scales = (torch.rand(batch, heads, tokens, d // group, generator=generator) * 0.3 + 0.05) * 7 / (high - 1)
-    return PackedKV(pack(codes, bits).to(device), scales.to(device, scale_dtype), bits, d)
+    return ops.PackedKV(pack(codes, bits).to(device), scales.to(device, scale_dtype), bits, d)
 
 
 def packed_layers(tokens: int, kv_heads: int, d: int, group: int, device: str, layers: int = LAYERS,
@@ -81,9 +80,9 @@ def attention_step(device: str, tokens: int, q_heads: int, kv_heads: int, d: int
     rotation = quantizer.rotation.matrix().to(device)
     query_map = rotation.T.contiguous()
 
-    def step(keys: PackedKV, values: PackedKV) -> torch.Tensor:
-        return decode_attention(q16.squeeze(-2), DecodeStep(keys, values, (window, window), query_map, rotation),
-                                d ** -0.5)
+    def step(keys: ops.PackedKV, values: ops.PackedKV) -> torch.Tensor:
+        reads = ops.DecodeStep(keys, values, (window, window), query_map, rotation)
+        return ops.decode_attention(q16.squeeze(-2), reads, d ** -0.5)
 
     return quantizer, caches, q16, step
 
@@ -110,7 +109,7 @@ def _attention_row(device: str, tokens: int, q_heads: int, kv_heads: int, d: int
         "fused_int4_us": fused * 1e6, "fused_eager_call_us": eager * 1e6, "sdpa_fp16_us": sdpa * 1e6,
         "dequantize_then_sdpa_us": dequant * 1e6,
         "speedup_vs_sdpa_fp16": sdpa / fused, "speedup_vs_dequantize_then_sdpa": dequant / fused,
-        "fused_GBps": packed_read_bytes(1, kv_heads, tokens, d, 4, group, SCALE_DTYPES[scale_dtype].itemsize)
+        "fused_GBps": ops.packed_read_bytes(1, kv_heads, tokens, d, 4, group, SCALE_DTYPES[scale_dtype].itemsize)
         / fused / 1e9,
     }
 
@@ -126,6 +125,6 @@ def bench_kernels(device: str, vectors: int = 262144, contexts=(1024, 8192, 3276
         raise KvqError("kvq bench kernels times GPU kernels; run it with --device cuda or mps")
     return {
         "peak_bandwidth_Bps": peak_bandwidth(device), "copy_bandwidth_Bps": copy_bandwidth(device),
-        "available": kernels.available(), "quantize": bench_quantize(device, vectors),
+        "available": ops.kernel_builds(), "quantize": bench_quantize(device, vectors),
         "attention": bench_attention(device, contexts),
     }

@@ -2,17 +2,26 @@
 for decode attention), MPS through Metal, CPU through the torch reference."""
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvq.kernels.backends import BACKENDS, KernelBackend
+if TYPE_CHECKING:
+    from kvq.kernels.backends import KernelBackend
 
 logger = logging.getLogger("kvq.kernels")
 _noted: set[tuple[str, str]] = set()
 
 
-def backend_for(device: torch.device) -> KernelBackend | None:
-    return BACKENDS.get(torch.device(device).type)
+def backend_for(device: torch.device) -> "KernelBackend | None":
+    """The kernel build for a device, None on a CPU: there the torch reference serves, and the builds' modules are
+    never imported (kvq.fingerprint leaves them out of a CPU cell's code digest on that ground)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return None
+    from kvq.kernels.backends import BACKENDS
+
+    return BACKENDS.get(kind)
 
 
 def note_fallback(operation: str, subject: object, reason: str) -> None:

@@ -24,16 +24,11 @@ launched programmatically dependent, so each one's launch overlaps the kernel be
 the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
 """
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from kvq.kernels import cuda_decode
 from kvq.kernels.launch import LaunchConfig, launch_for, programmatic_launch, split_plan, triton_resident_programs
-from kvq.kernels.plan import packed_codes
-from kvq.quant.rotated import RotatedPacked
-from kvq.quant.scalar import ScalarQuantizer
+from kvq.kernels.step import DecodeStep, decode_attention_reference
 
 try:
     from kvq.kernels import triton_decode
@@ -43,55 +38,6 @@ except ImportError:  # CPU installs: the reference path serves
 MAX_ROWS = 64  # query rows x scale groups per program beyond which the accumulators spill: reference path
 WIDE_HEAD = 256  # from this head_dim on, shallower pipelining keeps the K/V tiles inside shared memory
 MAP_COLUMNS = 32  # output columns per program of the query map and the reduce: more programs, shorter chains
-
-
-@dataclass
-class PackedKV:
-    """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    bits: int
-    head_dim: int
-
-    def rows(self, n: int) -> "PackedKV":
-        """The first n tokens."""
-        return PackedKV(self.codes[..., :n, :], self.scales[..., :n, :], self.bits, self.head_dim)
-
-    @property
-    def group(self) -> int:
-        return self.head_dim // self.scales.shape[-1]
-
-    def as_packed(self, dtype: torch.dtype) -> RotatedPacked:
-        """The same codes as the reference quantizers' packed dataclass."""
-        return packed_codes(self.codes, self.scales, (*self.codes.shape[:-1], self.head_dim), dtype)
-
-    def dequantized(self) -> torch.Tensor:
-        """float32 codes x scales in the quantizer's rotated domain (the reference ScalarQuantizer decode;
-        per-token scales are the one-group case)."""
-        return ScalarQuantizer(self.bits, "per_group", self.group).decode(self.as_packed(torch.float32).inner)
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    """What one decode attention step reads besides the query: packed K and V, the exact window's K and V
-    rows (B, Hkv, n_window, d), and the domain maps (kvq.cache.DomainMaps): query_map (d, d) takes the query
-    into the keys' coded domain, output_map (d, d) the values' back."""
-
-    keys: PackedKV
-    values: PackedKV
-    window: tuple[torch.Tensor, torch.Tensor]
-    query_map: torch.Tensor
-    output_map: torch.Tensor
-
-
-def decode_attention_reference(query: torch.Tensor, step: DecodeStep, scale: float) -> torch.Tensor:
-    """query (B, Hq, d) -> attention output (B, Hq, d) in the query's dtype, all in the model's domain."""
-    k = torch.cat([step.keys.dequantized() @ step.query_map.T, step.window[0].float()], dim=-2)
-    v = torch.cat([step.values.dequantized() @ step.output_map, step.window[1].float()], dim=-2)
-    out = F.scaled_dot_product_attention(query.float().unsqueeze(-2), k, v, scale=scale,
-                                         enable_gqa=query.shape[1] != k.shape[1])
-    return out.squeeze(-2).to(query.dtype)
 
 
 def _padded_heads(gqa: int, k_groups: int, v_groups: int) -> int:
@@ -163,11 +109,6 @@ def _workspace(batch: int, q_heads: int, n_splits: int, d: int, device: torch.de
     return workspace
 
 
-def device_lengths(n_packed: int, n_window: int) -> int:
-    """Both token counts in one int64 (packed << 32 | window), so one fill updates them on the device."""
-    return n_packed << 32 | n_window
-
-
 def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, launch: LaunchConfig,
                          lengths: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fused step. With `lengths` (a one-element int64 CUDA tensor holding device_lengths(...)) the kernels
@@ -237,9 +178,3 @@ def _triton_partial_args(query, mapped_query, step: DecodeStep, partials: tuple,
                          scale: float) -> tuple:
     return ((query, mapped_query), (step.keys.codes, step.keys.scales), (step.values.codes, step.values.scales),
             step.window, partials, lengths_pointer, counts, float(scale))
-
-
-def packed_read_bytes(batch: int, kv_heads: int, tokens: int, d: int, bits: int, group: int,
-                      scale_bytes: int = 4) -> int:
-    """Bytes a decode step reads from the packed cache: codes and scales (`scale_bytes` each) of K and V."""
-    return 2 * batch * kv_heads * tokens * (d * bits // 8 + scale_bytes * d // group)

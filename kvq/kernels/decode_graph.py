@@ -3,15 +3,9 @@
 import torch
 
 from kvq.kernels import note_fallback
-from kvq.kernels.decode_attention import (
-    DecodeStep,
-    decode_attention_gpu,
-    decode_attention_reference,
-    device_lengths,
-    step_description,
-    unsupported_reason,
-)
+from kvq.kernels.decode_attention import decode_attention_gpu, step_description, unsupported_reason
 from kvq.kernels.launch import LaunchConfig, launch_for
+from kvq.kernels.step import DecodeStep, decode_attention_reference, device_lengths
 
 
 class DecodeGraph:

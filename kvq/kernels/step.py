@@ -1,0 +1,75 @@
+"""What one decode attention step reads besides the query, and the reference attention over it.
+
+The fused kernels (kvq.kernels.decode_attention, CUDA only) and the torch reference (here, every device) read
+the same DecodeStep; kvq.ops picks between them. This module runs on every device, so a cell measured on a CPU
+imports it and none of the kernels' modules.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvq.kernels.plan import packed_codes
+from kvq.quant.rotated import RotatedPacked
+from kvq.quant.scalar import ScalarQuantizer
+
+
+@dataclass
+class PackedKV:
+    """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    head_dim: int
+
+    def rows(self, n: int) -> "PackedKV":
+        """The first n tokens."""
+        return PackedKV(self.codes[..., :n, :], self.scales[..., :n, :], self.bits, self.head_dim)
+
+    @property
+    def group(self) -> int:
+        return self.head_dim // self.scales.shape[-1]
+
+    def as_packed(self, dtype: torch.dtype) -> RotatedPacked:
+        """The same codes as the reference quantizers' packed dataclass."""
+        return packed_codes(self.codes, self.scales, (*self.codes.shape[:-1], self.head_dim), dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 codes x scales in the quantizer's rotated domain (the reference ScalarQuantizer decode;
+        per-token scales are the one-group case)."""
+        return ScalarQuantizer(self.bits, "per_group", self.group).decode(self.as_packed(torch.float32).inner)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What one decode attention step reads besides the query: packed K and V, the exact window's K and V
+    rows (B, Hkv, n_window, d), and the domain maps (kvq.cache.DomainMaps): query_map (d, d) takes the query
+    into the keys' coded domain, output_map (d, d) the values' back."""
+
+    keys: PackedKV
+    values: PackedKV
+    window: tuple[torch.Tensor, torch.Tensor]
+    query_map: torch.Tensor
+    output_map: torch.Tensor
+
+
+def decode_attention_reference(query: torch.Tensor, step: DecodeStep, scale: float) -> torch.Tensor:
+    """query (B, Hq, d) -> attention output (B, Hq, d) in the query's dtype, all in the model's domain."""
+    k = torch.cat([step.keys.dequantized() @ step.query_map.T, step.window[0].float()], dim=-2)
+    v = torch.cat([step.values.dequantized() @ step.output_map, step.window[1].float()], dim=-2)
+    out = F.scaled_dot_product_attention(query.float().unsqueeze(-2), k, v, scale=scale,
+                                         enable_gqa=query.shape[1] != k.shape[1])
+    return out.squeeze(-2).to(query.dtype)
+
+
+def device_lengths(n_packed: int, n_window: int) -> int:
+    """Both token counts in one int64 (packed << 32 | window), so one fill updates them on the device."""
+    return n_packed << 32 | n_window
+
+
+def packed_read_bytes(batch: int, kv_heads: int, tokens: int, d: int, bits: int, group: int,
+                      scale_bytes: int = 4) -> int:
+    """Bytes a decode step reads from the packed cache: codes and scales (`scale_bytes` each) of K and V."""
+    return 2 * batch * kv_heads * tokens * (d * bits // 8 + scale_bytes * d // group)
