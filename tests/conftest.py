@@ -45,6 +45,14 @@ def run_kvq_in_one_process(cases: list[tuple[Path, list[str]]], timeout: int = 1
         return json.loads(results.read_text())
 
 
+def assert_one_error_line(done: dict, fragment: str) -> None:
+    """A user error as kvq's CLI reports one (a run_kvq_in_one_process result): exit 2 and a single `kvq: error:`
+    line on stderr that names `fragment`, no traceback."""
+    lines = done["stderr"].strip().splitlines()
+    assert done["code"] == 2 and len(lines) == 1 and lines[0].startswith("kvq: error: "), done["stderr"]
+    assert fragment in lines[0] and "Traceback" not in done["stderr"]
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.gpu])]
 

@@ -4,7 +4,7 @@ no traceback, nothing written."""
 from pathlib import Path
 
 import pytest
-from conftest import requires_models, run_kvq, run_kvq_in_one_process
+from conftest import assert_one_error_line, requires_models, run_kvq, run_kvq_in_one_process
 
 SPEC = "name: t\nmodels: [smollm2-135m]\ndata: {seq_len: 32, n_windows: 1}\ngrid:\n  quantizer: [int]\n"
 BOMB = "\n".join(
@@ -113,10 +113,7 @@ def _listing(directory: Path) -> list[Path]:
 
 def _check_bad_input(outcome: tuple, fragment: str) -> None:
     directory, before, done = outcome
-    assert done["code"] == 2, done["stderr"]
-    lines = done["stderr"].strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvq: error: "), done["stderr"]
-    assert fragment in lines[0] and "Traceback" not in done["stderr"]
+    assert_one_error_line(done, fragment)
     assert _listing(directory) == before, "a failed command wrote files"
 
 

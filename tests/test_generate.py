@@ -4,7 +4,7 @@ padded batch, fp16 or kvq's static cache), seeded sampling, stop tokens, cache r
 
 import pytest
 import torch
-from conftest import requires_cuda, requires_models, run_kvq, run_kvq_in_one_process
+from conftest import assert_one_error_line, requires_cuda, requires_models, run_kvq, run_kvq_in_one_process
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvq import generate
@@ -278,10 +278,7 @@ def bad_generate_runs(tmp_path_factory):
 @pytest.mark.model
 @pytest.mark.parametrize("index", range(len(BAD_GENERATE_ARGUMENTS)), ids=[f for _, f in BAD_GENERATE_ARGUMENTS])
 def test_kvq_generate_bad_arguments_are_one_line_and_exit_2(bad_generate_runs, index):
-    done = bad_generate_runs[index]
-    lines = done["stderr"].strip().splitlines()
-    assert done["code"] == 2 and len(lines) == 1 and lines[0].startswith("kvq: error: "), done["stderr"]
-    assert BAD_GENERATE_ARGUMENTS[index][1] in lines[0]
+    assert_one_error_line(bad_generate_runs[index], BAD_GENERATE_ARGUMENTS[index][1])
 
 
 @requires_models
