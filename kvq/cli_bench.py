@@ -47,8 +47,8 @@ def bench_decode(
     batches: str = typer.Option("1,8", help="batch sizes; a row that does not fit says so"),
     caches: str = typer.Option("", help="comma-separated subset of: fp16-dynamic, fp16-static-compiled, kvq-int4, "
                                         "kvq-int4-static-compiled, quanto-int4, hqq-int4, fp16-static-step, "
-                                        "kvq-int4-static-step, fp16-gqa-static-compiled, fp16-gqa-static-step "
-                                        "(default: all)"),
+                                        "kvq-int4-static-step, kvq-int4-fp-boundary-static-step, "
+                                        "fp16-gqa-static-compiled, fp16-gqa-static-step (default: all)"),
     new_tokens: int = typer.Option(32),
     repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
     prefill_chunk: int = typer.Option(0, help="prefill every prompt in chunks of this many tokens "
@@ -80,7 +80,8 @@ def bench_decode(
 @bench_app.command("memory")
 def bench_memory(
     context: int = typer.Option(32768, min=64, help="the context of the largest-batch search, in tokens"),
-    caches: str = typer.Option("fp16,kvq-int4", help="comma-separated subset of: fp16, kvq-int4"),
+    caches: str = typer.Option("fp16,kvq-int4", help="comma-separated subset of: fp16, kvq-int4, "
+                                                             "kvq-int4-fp-boundary"),
     prefill_chunk: int = typer.Option(4096, min=1, help="tokens of the prefill chunk each probe runs"),
     out: Path = typer.Option(Path("runs/bench")),
     results: Path = typer.Option(Path("RESULTS.md")),

@@ -195,18 +195,19 @@ def _through_stop(tokens: torch.Tensor, stops: torch.Tensor) -> list[torch.Tenso
     return rows
 
 
-def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16):
+def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, policy=None):
     """A static cache for `batch` rows of `max_cache_len` tokens: transformers' StaticCache for fp (spec None), else
     kvq's StaticQuantizedCache, the newest `window` tokens exact (all of them in a shorter cache; packed layouts
-    only)."""
+    only), its layers following `policy` (a kvq.policy.SitePolicy: per-layer and per-role settings, exact layers)."""
     from transformers import StaticCache
 
     from kvq.apply import QuantizerBank, kv_geometry
+    from kvq.policy import SitePolicy
     from kvq.static_cache import StaticQuantizedCache
 
     if spec is None:
         return StaticCache(config=model.config, max_cache_len=max_cache_len)
-    bank = QuantizerBank(spec, kv_geometry(model.config))
+    bank = QuantizerBank(spec, kv_geometry(model.config), policy=policy or SitePolicy())
     return StaticQuantizedCache(bank, model.config, max_cache_len, min(window, max_cache_len)).allocate(model, batch)
 
 

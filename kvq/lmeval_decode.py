@@ -4,7 +4,8 @@ lm-eval hands the harness left-padded batches. Padding is not neutral under ever
 scale per channel over a group of positions, and a scale computed over a whole tensor would span the batch, so a
 pad token or a batch-mate could change a prompt's codes. So a batch decodes
 
-- through `kvq.generate` over a static cache (the packed cache of `kvq.static_cache`, or transformers' static
+- through `kvq.generate` over a static cache (the packed cache of `kvq.static_cache`, whose layers follow a per-site
+  policy and keep its exact layers fp, or transformers' static
   cache with SDPA reading each K/V head once for fp), compiled on CUDA, the padded batch at once with the cache
   reset() between batches, where the quantizer has a packed layout and the protocol is one that cache holds
   (`fast_path_reason`). Packed layouts are token-local, so padding changes no prompt's codes; the packed kernels
@@ -21,6 +22,7 @@ import torch
 
 from kvq.apply import QuantizerBank
 from kvq.protocol import Protocol
+from kvq.quant.exact import Exact
 
 # a new static cache holds the batch's prompts and new tokens rounded up to this many tokens, plus this many, so
 # later batches (lm-eval's tasks ask for different numbers of new tokens) fit in it and share its compiled step
@@ -39,6 +41,8 @@ def fast_path_reason(bank: QuantizerBank | None, mode: str, protocol: Protocol, 
     if bank is None:
         return None
     for layer in range(bank.geometry.n_layers):
+        if isinstance(bank.get(layer, "k"), Exact):  # a layer the policy keeps exact (K and V) is a plain fp one
+            continue
         for role in ("k", "v"):
             reason = bank.get(layer, role).packing_reason()
             if reason is not None:

@@ -8,11 +8,16 @@ window positions, n being the tokens written, and a prompt attends to itself exa
 Protocol(window, exact_prefill=True), the papers' generation protocol. Under `fused_decoding` a one-token step
 attends straight from the codes (kvq.ops.decode_attention, the token counts read from a device tensor); every
 call's `update` returns the whole buffer dequantized with the exact rows in place, which any attention
-implementation reads under the usual static-cache mask. Sliding-window layers stay transformers' static
-sliding layers.
+implementation reads under the usual static-cache mask.
+
+A per-site policy (kvq.policy) gives layers their own layouts, K and V codes of one width within a layer (the
+fused decode reads one width for both), and the layers it keeps exact (`use: fp`) hold plain fp K/V that a
+decode step reads with SDPA over each K/V head once (`StaticExactLayer`). Sliding-window layers stay
+transformers' static sliding layers.
 """
 
 import torch
+import torch.nn.functional as F
 from transformers import StaticCache
 from transformers.cache_utils import CacheLayerMixin
 
@@ -20,18 +25,128 @@ from kvq import ops
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.cache import DomainMaps, held_bytes
 from kvq.errors import KvqError
+from kvq.quant.exact import Exact
 from kvq.quant.layout import PackedForm
 
 ROLES = ("k", "v")
 
 
-class StaticQuantizedLayer(CacheLayerMixin):
+class StaticKVLayer(CacheLayerMixin):
+    """What both kinds of static layer share: `max_cache_len` token slots, the tokens written as a device tensor
+    (so a compiled step reads it without a host sync), fixed addresses for CUDA graphs, and the decode routing
+    (`begin_decoding`, `attend`) that kvq.attention's fused attention calls."""
+
     is_compileable = True
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, bank: QuantizerBank, layer: int, max_cache_len: int, window: int):
+    def __init__(self, max_cache_len: int):
         super().__init__()
+        self.max_cache_len = max_cache_len
+        # Set by the attention function at prefill: whether every query row sees every written position (no
+        # padding), the condition for `attend`, which takes no mask
+        self.unpadded = False
+
+    def _start(self, key_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.length = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens written
+        self.positions = torch.arange(self.max_cache_len, device=self.device)
+
+    def _mark_static(self) -> None:
+        if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs replay over them, copying none
+            for tensor in self._tensors():
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.length, self.positions, *self._held()]
+
+    def _held(self) -> list[torch.Tensor]:
+        """The buffers holding the layer's tokens."""
+        raise NotImplementedError
+
+    def _written(self, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+        """The positions the new tokens go to (allocating the buffers at the first write)."""
+        if not self.is_initialized:
+            if torch.compiler.is_compiling():  # its buffers would belong to one CUDA graph's output pool
+                raise KvqError("a static quantized cache first written inside a compiled call (a compiled chunked "
+                               "prefill) must be allocated before it: call cache.allocate(model, batch_size)")
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        if not torch.compiler.is_compiling() and int(self.length) + new > self.max_cache_len:
+            raise KvqError(f"static quantized cache holds {self.max_cache_len} tokens; writing {new} more after "
+                           f"{int(self.length)} exceeds it (build it with a larger max_cache_len)")
+        return self.length + torch.arange(new, device=self.device)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) over the tokens written."""
+        raise NotImplementedError
+
+    @torch.compiler.disable  # runs between graphs, so nothing it keeps lands in a CUDA graph's memory pool
+    def begin_decoding(self, query: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """At a prefill call (or chunk): whether every query row sees every written position (no padding), the
+        condition for later decode steps to `attend`, which takes no mask; if so, one decode attention runs
+        now, so that its kernels are built and its kept buffers made before a compiled step runs (a compiled
+        step's graph pool must own every tensor allocated in it)."""
+        self.unpadded = attention_mask is None or bool(attention_mask[:, :, -1, :int(self.length)].all())
+        if self.unpadded and query.is_cuda:
+            self.attend(query[..., -1:, :], 1.0)
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvqError("the static quantized cache cannot crop its tokens (assisted decoding is not supported)")
+
+    def persistent_bytes(self) -> int:
+        """What the layer holds for its tokens."""
+        return sum(t.numel() * t.element_size() for t in self._held()) if self.is_initialized else 0
+
+
+class StaticExactLayer(StaticKVLayer):
+    """A layer a policy keeps exact: fp K/V buffers of `max_cache_len` tokens. A decode step attends over the
+    written tokens with SDPA reading each K/V head once (enable_gqa), as the fair fp16 baseline does."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._start(key_states)
+        batch, heads = key_states.shape[:2]
+        self.keys, self.values = (states.new_zeros(batch, heads, self.max_cache_len, states.shape[-1])
+                                  for states in (key_states, value_states))
+        self._mark_static()
+
+    def _held(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        written = self._written(key_states, value_states)
+        self.keys.index_copy_(2, written, key_states)
+        self.values.index_copy_(2, written, value_states)
+        self.length.add_(key_states.shape[-2])
+        return self.keys, self.values
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        written = (self.positions < self.length).view(1, 1, 1, -1)
+        out = F.scaled_dot_product_attention(query, self.keys, self.values, attn_mask=written, scale=scaling,
+                                             enable_gqa=query.shape[1] != self.keys.shape[1])
+        return out.transpose(1, 2)
+
+
+class StaticQuantizedLayer(StaticKVLayer):
+    def __init__(self, bank: QuantizerBank, layer: int, max_cache_len: int, window: int):
+        super().__init__(max_cache_len)
         if window < 1 or window > max_cache_len:
             raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
         self.forms: dict[str, PackedForm] = {}
@@ -40,15 +155,16 @@ class StaticQuantizedLayer(CacheLayerMixin):
             if quantizer.packed_form() is None:
                 raise KvqError(f"the static quantized cache stores packed layouts only: {quantizer.packing_reason()}")
             self.forms[role] = quantizer.packed_form()
-        self.max_cache_len, self.window = max_cache_len, window
+        widths = [form.layout.bits for form in self.forms.values()]
+        if widths[0] != widths[1]:
+            raise KvqError(f"layer {layer}: the static quantized cache's decode step reads K and V codes of one width "
+                           f"(kvq::decode_attention takes one), not K{widths[0]}/V{widths[1]}")
+        self.window = window
         self.packed: dict[str, ops.PackedKV] = {}
         self.ring: dict[str, torch.Tensor] = {}
-        # Set by the attention function at prefill: whether every query row sees every written position (no
-        # padding), the condition for attending from the codes, whose kernels take no mask
-        self.unpadded = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
+        self._start(key_states)
         lead = key_states.shape[:2]
         for role, form in self.forms.items():
             layout = form.layout
@@ -61,32 +177,20 @@ class StaticQuantizedLayer(CacheLayerMixin):
         for form in self.forms.values():  # builds the kernels and the constants they keep, outside any graph
             ops.dequantize(*ops.quantize(key_states.new_zeros(1, form.layout.head_dim), form), form, self.dtype)
         self.maps = DomainMaps(self.forms["k"], self.forms["v"], self.device)
-        self.length = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens written
         # (packed << 32 | window) rows the kernels attend over: kvq.kernels.step.device_lengths
         self.counts = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.positions = torch.arange(self.max_cache_len, device=self.device)
-        if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs replay over them, copying none
-            for tensor in self._tensors():
-                torch._dynamo.mark_static_address(tensor)
-        self.is_initialized = True
+        self._mark_static()
+
+    def _held(self) -> list[torch.Tensor]:
+        return [*(t for p in self.packed.values() for t in (p.codes, p.scales)), *self.ring.values()]
 
     def _tensors(self) -> list[torch.Tensor]:
         constants = [t for form in self.forms.values() for t in (form.signs, form.matrix, form.lam) if t is not None]
-        packed = [t for p in self.packed.values() for t in (p.codes, p.scales)]
-        return [*packed, *self.ring.values(), self.length, self.counts, self.positions, self.maps.query,
-                self.maps.output, *constants]
+        return [*super()._tensors(), self.counts, self.maps.query, self.maps.output, *constants]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            if torch.compiler.is_compiling():  # its buffers would belong to one CUDA graph's output pool
-                raise KvqError("a static quantized cache first written inside a compiled call (a compiled chunked "
-                               "prefill) must be allocated before it: call cache.allocate(model, batch_size)")
-            self.lazy_initialization(key_states, value_states)
+        written = self._written(key_states, value_states)
         new = key_states.shape[-2]
-        if not torch.compiler.is_compiling() and int(self.length) + new > self.max_cache_len:
-            raise KvqError(f"static quantized cache holds {self.max_cache_len} tokens; writing {new} more after "
-                           f"{int(self.length)} exceeds it (build it with a larger max_cache_len)")
-        written = self.length + torch.arange(new, device=self.device)
         recent = min(new, self.window)
         for role, states in zip(ROLES, (key_states, value_states), strict=True):
             codes, scales = ops.quantize(states, self.forms[role])
@@ -111,54 +215,30 @@ class StaticQuantizedLayer(CacheLayerMixin):
         return dequantized.index_copy(2, in_window, self.ring[role].index_select(2, in_window % self.window))
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (B, Hq, 1, d) -> attention output (B, 1, Hq, d) from the codes and the ring."""
+        """From the codes and the ring."""
         step = self.maps.step(self.packed["k"], self.packed["v"], (self.ring["k"], self.ring["v"]))
         return ops.decode_attention(query.squeeze(-2), step, scaling, self.counts).unsqueeze(1)
 
-    @torch.compiler.disable  # runs between graphs, so nothing it keeps lands in a CUDA graph's memory pool
-    def begin_decoding(self, query: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """At a prefill call (or chunk): whether every query row sees every written position (no padding), the
-        condition for later decode steps to attend from the codes, whose kernels take no mask; if so, one decode
-        attention runs now, so that its kernels are built and its kept buffers made before a compiled step runs
-        (a compiled step's graph pool must own every tensor allocated in it)."""
-        self.unpadded = attention_mask is None or bool(attention_mask[:, :, -1, :int(self.length)].all())
-        if self.unpadded and query.is_cuda:
-            self.attend(query[..., -1:, :], 1.0)
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.max_cache_len, 0
-
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-    def get_max_cache_shape(self) -> int:
-        return self.max_cache_len
-
     def reset(self) -> None:
+        super().reset()
         if self.is_initialized:
-            self.length.zero_()
             self.counts.zero_()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise KvqError("the static quantized cache cannot crop packed tokens (assisted decoding is not supported)")
 
-    def persistent_bytes(self) -> int:
-        """The packed buffers and the ring: what the layer holds for its tokens."""
-        if not self.is_initialized:
-            return 0
-        tensors = [*self.ring.values(), *(t for p in self.packed.values() for t in (p.codes, p.scales))]
-        return sum(t.numel() * t.element_size() for t in tensors)
+def static_layer(bank: QuantizerBank, layer: int, max_cache_len: int, window: int) -> StaticKVLayer:
+    """The static layer for a full-attention layer's sites: exact where the policy keeps the layer exact (`use: fp`
+    keeps its K and V exact together), packed otherwise."""
+    if isinstance(bank.get(layer, "k"), Exact):
+        return StaticExactLayer(max_cache_len)
+    return StaticQuantizedLayer(bank, layer, max_cache_len, window)
 
 
 class StaticQuantizedCache(StaticCache):
-    """transformers' StaticCache with every full-attention layer a StaticQuantizedLayer."""
+    """transformers' StaticCache with every full-attention layer a static kvq layer (`static_layer`)."""
 
     def __init__(self, bank: QuantizerBank, config, max_cache_len: int, window: int = 16):
         super().__init__(config=config, max_cache_len=max_cache_len)
-        self.layers = [layer if layer.is_sliding else StaticQuantizedLayer(bank, index, max_cache_len, window)
+        self.layers = [layer if layer.is_sliding else static_layer(bank, index, max_cache_len, window)
                        for index, layer in enumerate(self.layers)]
 
     def allocate(self, model: torch.nn.Module, batch_size: int) -> "StaticQuantizedCache":
@@ -170,5 +250,5 @@ class StaticQuantizedCache(StaticCache):
 
     def memory_bytes(self) -> int:
         """Bytes this cache holds for its tokens (packed buffers, rings, sliding layers' static buffers)."""
-        return sum(layer.persistent_bytes() if isinstance(layer, StaticQuantizedLayer) else held_bytes(
+        return sum(layer.persistent_bytes() if isinstance(layer, StaticKVLayer) else held_bytes(
             (layer.keys, layer.values)) for layer in self.layers if layer.is_initialized)

@@ -65,3 +65,16 @@ def test_the_memory_search_finds_the_largest_fitting_multiple():
     assert largest(lambda n: 10 * n if n <= 13 else None, 1, 1) == (13, 130)
     assert largest(lambda n: n if n <= 40000 else None, 8192, 8192) == (32768, 32768)
     assert largest(lambda n: None, 8192, 8192) == (0, None)
+
+
+def test_the_cli_help_names_every_cache_a_bench_takes():
+    import inspect
+
+    from kvq import cli_bench
+    from kvq.bench.memory import MEMORY_CACHES
+
+    for command, names in ((cli_bench.bench_decode, [cache.name for cache in decode.DECODE_CACHES]),
+                           (cli_bench.bench_memory, list(MEMORY_CACHES))):
+        listed = inspect.signature(command).parameters["caches"].default.help
+        listed = listed.split("subset of: ", 1)[1].split(" (default", 1)[0]
+        assert [name.strip() for name in listed.split(",")] == names

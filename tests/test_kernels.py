@@ -332,28 +332,33 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("partial", ["cuda", "triton"])
-@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, bits, group, dtype, scales", [
-    (1, 32, 8, 128, 8192, 5, 4, 32, torch.float32, torch.float32),
-    (1, 32, 8, 128, 32768, 8, 4, 32, torch.float16, torch.float32),  # `kvq bench kernels`' 32K step
-    (2, 8, 8, 64, 100, 0, 4, 64, torch.float32, torch.float32),
-    (1, 4, 1, 256, 3000, 15, 8, 256, torch.float32, torch.float32),
-    (1, 14, 2, 64, 1, 1, 4, 32, torch.float32, torch.float32),
-    (3, 9, 3, 64, 517, 16, 4, 16, torch.float32, torch.float32),
+@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, key_bits, value_bits, group, dtype, scales", [
+    (1, 32, 8, 128, 8192, 5, 4, 4, 32, torch.float32, torch.float32),
+    (1, 32, 8, 128, 32768, 8, 4, 4, 32, torch.float16, torch.float32),  # `kvq bench kernels`' 32K step
+    (2, 8, 8, 64, 100, 0, 4, 4, 64, torch.float32, torch.float32),
+    (1, 4, 1, 256, 3000, 15, 8, 8, 256, torch.float32, torch.float32),
+    (1, 14, 2, 64, 1, 1, 4, 4, 32, torch.float32, torch.float32),
+    (3, 9, 3, 64, 517, 16, 4, 4, 16, torch.float32, torch.float32),
     # shapes of kernels/decode_attention.cu: 1-4 query heads per KV head, ragged tiles, empty window
-    (2, 16, 4, 128, 3001, 16, 4, 32, torch.float16, torch.float32),
-    (1, 12, 4, 128, 777, 0, 4, 32, torch.bfloat16, torch.float32),
-    (1, 8, 8, 128, 70, 3, 4, 32, torch.float16, torch.float32),
-    (1, 4, 2, 128, 1, 16, 4, 32, torch.float32, torch.float32),
+    (2, 16, 4, 128, 3001, 16, 4, 4, 32, torch.float16, torch.float32),
+    (1, 12, 4, 128, 777, 0, 4, 4, 32, torch.bfloat16, torch.float32),
+    (1, 8, 8, 128, 70, 3, 4, 4, 32, torch.float16, torch.float32),
+    (1, 4, 2, 128, 1, 16, 4, 4, 32, torch.float32, torch.float32),
     # fp16 scales (ScalarQuantizer's scale_dtype float16)
-    (1, 32, 8, 128, 32768, 8, 4, 32, torch.float16, torch.float16),
-    (2, 16, 4, 128, 3001, 16, 4, 32, torch.float16, torch.float16),
-    (3, 9, 3, 64, 517, 16, 4, 16, torch.float32, torch.float16),
+    (1, 32, 8, 128, 32768, 8, 4, 4, 32, torch.float16, torch.float16),
+    (2, 16, 4, 128, 3001, 16, 4, 4, 32, torch.float16, torch.float16),
+    (3, 9, 3, 64, 517, 16, 4, 4, 16, torch.float32, torch.float16),
+    # K and V codes of two widths (a K8/V4 policy's layers, and the reverse)
+    (1, 32, 8, 128, 8192, 5, 8, 4, 32, torch.float16, torch.float32),
+    (2, 16, 4, 128, 3001, 16, 4, 8, 32, torch.float16, torch.float16),
+    (3, 9, 3, 64, 517, 3, 8, 4, 16, torch.float32, torch.float32),
+    (1, 4, 1, 256, 1000, 16, 8, 4, 64, torch.float32, torch.float32),
 ])
-def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, bits,
-                                                      group, dtype, scales, monkeypatch):
+def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, key_bits,
+                                                      value_bits, group, dtype, scales, monkeypatch):
     generator = torch.Generator().manual_seed(tokens)
-    keys = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator, scales)
-    values = random_packed(batch, kv_heads, tokens, d, bits, group, "cuda", generator, scales)
+    keys = random_packed(batch, kv_heads, tokens, d, key_bits, group, "cuda", generator, scales)
+    values = random_packed(batch, kv_heads, tokens, d, value_bits, group, "cuda", generator, scales)
     window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).to("cuda", dtype)
     window = (window_buffer[0, :, :, :window], window_buffer[1, :, :, :window])
     query = torch.randn(batch, q_heads, d, generator=generator).to("cuda", dtype)
@@ -364,11 +369,11 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
                                                                                                       d ** -0.5)
     # the second call goes through the compiled kernels' own launchers
     assert torch.equal(decode_attention_gpu(query, step, d ** -0.5, launch), got)
-    if partial == "cuda":  # the op dispatches to the same kernels
+    if partial == "cuda" and key_bits == value_bits:  # the op (one code width for both) runs the same kernels
         assert torch.equal(ops.decode_attention(query, step, d ** -0.5), got)
     error = (got.float() - expected.float()).abs().max().item()
-    print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window[0].shape[2]} int{bits} g={group} "
-          f"{dtype} {scales} scales: max abs {error:.2e}")
+    print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window[0].shape[2]} "
+          f"K{key_bits}/V{value_bits} g={group} {dtype} {scales} scales: max abs {error:.2e}")
     # fp16 and bf16 outputs are both rounded to the query's dtype: up to an ulp apart on top of the kernel's
     # own error; fp32 keeps the bare bound
     rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps * expected.float().abs().max().item()

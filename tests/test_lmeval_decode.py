@@ -94,8 +94,14 @@ def test_the_static_path_needs_cuda_a_packed_layout_and_a_protocol_it_holds():
     assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(0, True), cuda)
     assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(16, False), cuda)
     assert "hook" in fast_path_reason(bank("int", 4), "hook", Protocol(), cuda)
+    # per-site policies: layers kept exact are plain fp static layers; K and V codes of two widths are not held
     k8v4 = QuantizerBank(QuantSpec("int", 4), GEOMETRY, policy=parse_policy({"k": {"bits": 8}}))
     assert "K8/V4" in fast_path_reason(k8v4, "cache", Protocol(16, True), cuda)
+    first_fp = parse_policy({"layers": [{"first": 1, "use": "fp"}]})
+    boundary = QuantizerBank(QuantSpec("int", 4), GEOMETRY, policy=first_fp)
+    assert fast_path_reason(boundary, "cache", Protocol(16, True), cuda) is None
+    kivi_past_boundary = QuantizerBank(QuantSpec("kivi", 4), GEOMETRY, policy=first_fp)
+    assert "layer 1 K" in fast_path_reason(kivi_past_boundary, "cache", Protocol(16, True), cuda)
 
 
 def _requests(tokenizer, new_tokens: int) -> list[Instance]:

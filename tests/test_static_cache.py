@@ -20,9 +20,10 @@ from kvq import models
 from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
 from kvq.cache import fused_decoding
 from kvq.errors import KvqError
+from kvq.policy import SitePolicy, parse_policy
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
-from kvq.static_cache import StaticQuantizedCache
+from kvq.static_cache import StaticExactLayer, StaticQuantizedCache, StaticQuantizedLayer
 
 WINDOW = 8
 SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, head_dim=32,
@@ -40,8 +41,13 @@ def tiny(kind: str):
     return Gemma3ForCausalLM(config).eval()
 
 
-def bank_for(model, bits: int = 4) -> QuantizerBank:
-    return QuantizerBank(QuantSpec("srft", bits, "per_group", 16), kv_geometry(model.config))
+# layers that differ: the first kept exact (a plain fp layer), layer 1 at 8 bits, any others at the base's 4
+FIRST_FP_THEN_INT8 = parse_policy({"layers": [{"first": 1, "use": "fp"},
+                                              {"layers": [1], "k": {"bits": 8}, "v": {"bits": 8}}]})
+
+
+def bank_for(model, bits: int = 4, policy: SitePolicy = SitePolicy()) -> QuantizerBank:
+    return QuantizerBank(QuantSpec("srft", bits, "per_group", 16), kv_geometry(model.config), policy=policy)
 
 
 def greedy(model, cache, prompt, steps: int, mask=None):
@@ -60,16 +66,22 @@ def greedy(model, cache, prompt, steps: int, mask=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", [SitePolicy(), FIRST_FP_THEN_INT8], ids=["srft4", "first-fp-then-int8"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
-def test_static_cache_matches_the_eager_protocol_cache(kind, device):
+def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
     """On CUDA the decode steps under fused_decoding run the fused kernels, whose tensor-core products take
-    the query in fp16: their logits agree to 5e-3, the reference's to 2e-4."""
+    the query in fp16: their logits agree to 5e-3, the reference's to 2e-4. Under a policy the layers differ: an
+    exact first layer (a full-attention one in llama and qwen2, a sliding one in gemma3), then 8-bit codes."""
     model = tiny(kind).to(device)
-    bank = bank_for(model)
+    bank = bank_for(model, policy=policy)
     prompt = torch.randint(0, 101, (1, 13), generator=torch.Generator().manual_seed(1)).to(device)
     with quantized_kv(model, bank, "cache", Protocol(WINDOW, exact_prefill=True)) as fresh:
         expected_tokens, expected = greedy(model, fresh()["past_key_values"], prompt, 12)
     static = StaticQuantizedCache(bank, model.config, max_cache_len=40, window=WINDOW)
+    if kind != "gemma3":
+        exact = policy is FIRST_FP_THEN_INT8
+        assert isinstance(static.layers[0], StaticExactLayer if exact else StaticQuantizedLayer)
+        assert [form.layout.bits for form in static.layers[1].forms.values()] == ([8, 8] if exact else [4, 4])
     tokens, logits = greedy(model, static, prompt, 12)
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
     assert torch.equal(tokens, expected_tokens)
@@ -79,9 +91,10 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, device):
     assert torch.equal(fused_tokens, expected_tokens)
 
 
-def test_a_decode_step_compiles_as_one_graph_over_the_reference_ops():
+@pytest.mark.parametrize("policy", [SitePolicy(), FIRST_FP_THEN_INT8], ids=["srft4", "first-fp-then-int8"])
+def test_a_decode_step_compiles_as_one_graph_over_the_reference_ops(policy):
     model = tiny("llama")
-    cache = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=32, window=WINDOW)
+    cache = StaticQuantizedCache(bank_for(model, policy=policy), model.config, max_cache_len=32, window=WINDOW)
     prompt = torch.randint(0, 101, (1, 11), generator=torch.Generator().manual_seed(2))
     token = torch.tensor([[7]])
     with fused_decoding(model, cache), torch.no_grad():
@@ -89,7 +102,7 @@ def test_a_decode_step_compiles_as_one_graph_over_the_reference_ops():
         step = torch.compile(lambda ids, position: model(ids, past_key_values=cache, cache_position=position,
                                                          use_cache=True).logits, fullgraph=True, backend="aot_eager")
         compiled = step(token, torch.tensor([11]))
-    reference = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=32, window=WINDOW)
+    reference = StaticQuantizedCache(bank_for(model, policy=policy), model.config, max_cache_len=32, window=WINDOW)
     with fused_decoding(model, reference), torch.no_grad():
         model(prompt, past_key_values=reference, use_cache=True)
         eager = model(token, past_key_values=reference, cache_position=torch.tensor([11]), use_cache=True).logits
@@ -116,6 +129,13 @@ def test_left_padded_batches_give_the_tokens_of_batch_one_runs(device):
         batch = greedy(model, cache, padded, 10, mask)[0]
     assert all(not layer.unpadded for layer in cache.layers)  # padding: the codes are read through SDPA's mask
     assert torch.equal(batch, torch.cat(alone))
+
+
+def test_a_layer_of_k_and_v_codes_of_two_widths_is_refused_naming_it():
+    model = tiny("llama")
+    k8v4 = bank_for(model, policy=parse_policy({"k": {"bits": 8}, "v": {"bits": 4}}))
+    with pytest.raises(KvqError, match=r"layer 0: .* one width .* not K8/V4"):
+        StaticQuantizedCache(k8v4, model.config, max_cache_len=16, window=4)
 
 
 def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():

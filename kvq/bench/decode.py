@@ -59,11 +59,21 @@ def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
     return {"past_key_values": QuantizedKVCache(bank, model.config, fused=True)}
 
 
-def _kvq_int4_static(model, batch: int, max_tokens: int) -> dict:
-    from kvq.quant import QuantSpec
+# The per-site policy of a static row (kvq.policy's YAML form): Qwen2's fp boundary layers.
+FP_BOUNDARY = {"layers": [{"first": 1, "use": "fp"}, {"last": 1, "use": "fp"}]}
 
-    _compiled_on_cuda(model)
-    return {"past_key_values": static_cache(model, QuantSpec("srft", 4, "per_group", 32), batch, max_tokens)}
+
+def _kvq_static(policy: dict | None = None) -> Callable[..., dict]:
+    """SRFT int4 in groups of 32 in kvq's static cache, its sites following `policy`."""
+    def setup(model, batch: int, max_tokens: int) -> dict:
+        from kvq.policy import parse_policy
+        from kvq.quant import QuantSpec
+
+        _compiled_on_cuda(model)
+        spec = QuantSpec("srft", 4, "per_group", 32)
+        return {"past_key_values": static_cache(model, spec, batch, max_tokens, policy=parse_policy(policy))}
+
+    return setup
 
 
 def _transformers_quantized(backend: str) -> Callable[..., dict]:
@@ -98,11 +108,13 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
     DecodeCache("fp16-dynamic", "fp16 DynamicCache eager", "fp16", _fp16_dynamic),
     DecodeCache("fp16-static-compiled", "fp16 StaticCache compiled", "fp16", _fp16_static_compiled),
     DecodeCache("kvq-int4", "kvq fused int4 g32 eager", "int4", _kvq_int4),
-    DecodeCache("kvq-int4-static-compiled", "kvq int4 static compiled", "int4", _kvq_int4_static),
+    DecodeCache("kvq-int4-static-compiled", "kvq int4 static compiled", "int4", _kvq_static()),
     DecodeCache("quanto-int4", "transformers QuantizedCache quanto int4", "int4", _transformers_quantized("quanto")),
     DecodeCache("hqq-int4", "transformers QuantizedCache hqq int4", "int4", _transformers_quantized("hqq")),
     DecodeCache("fp16-static-step", "fp16 StaticCache, compiled step loop", "fp16", _fp16_static, loop="step"),
-    DecodeCache("kvq-int4-static-step", "kvq int4 static, compiled step loop", "int4", _kvq_int4_static, loop="step"),
+    DecodeCache("kvq-int4-static-step", "kvq int4 static, compiled step loop", "int4", _kvq_static(), loop="step"),
+    DecodeCache("kvq-int4-fp-boundary-static-step", "kvq int4, first and last layers fp16, static, compiled step "
+                "loop", "int4+fp", _kvq_static(FP_BOUNDARY), loop="step"),
     # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
     # static cache's mask, see kvq.gqa_attention).
     DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",

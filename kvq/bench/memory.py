@@ -7,26 +7,29 @@ from collections.abc import Callable
 
 import torch
 
-from kvq.bench.decode import cache_bytes, decode_model, llama3_8b_like, release_memory
+from kvq.bench.decode import FP_BOUNDARY, cache_bytes, decode_model, llama3_8b_like, release_memory
 from kvq.generate import decode_routing, generate, static_cache
 from kvq.gqa_attention import GQA_SDPA_ATTENTION
+from kvq.policy import parse_policy
 from kvq.quant import QuantSpec
 
-MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows
-    "fp16": None,
-    "kvq-int4": QuantSpec("srft", 4, "per_group", 32),
+MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows: (spec, per-site policy)
+    "fp16": (None, None),
+    "kvq-int4": (QuantSpec("srft", 4, "per_group", 32), None),
+    "kvq-int4-fp-boundary": (QuantSpec("srft", 4, "per_group", 32), FP_BOUNDARY),
 }
 DECODE_STEPS = 8
 CONTEXT_STEP = 8192  # the longest context is searched in whole multiples of this
 
 
-def fits(model, spec: QuantSpec | None, batch: int, context: int, chunk: int) -> int | None:
+def fits(model, cache_kind: tuple, batch: int, context: int, chunk: int) -> int | None:
     """The K/V bytes a static cache of `batch` rows x `context` tokens holds once it has run a `chunk`-token
     prefill and DECODE_STEPS steps (the fp16 cache under SDPA reading each K/V head once); None when that runs
     out of device memory."""
     cache = None
     try:
-        cache = static_cache(model, spec, batch, context)
+        spec, policy = cache_kind
+        cache = static_cache(model, spec, batch, context, policy=parse_policy(policy))
         prompt = torch.randint(0, model.config.vocab_size, (batch, min(chunk, context - DECODE_STEPS)),
                                device=model.device)
         with torch.no_grad(), decode_routing(model, cache, None if spec is not None else GQA_SDPA_ATTENTION):
@@ -66,9 +69,9 @@ def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int)
     model = decode_model(device, config)
     rows = []
     for name in caches:
-        spec = MEMORY_CACHES[name]
-        batch, batch_bytes = largest(lambda b, s=spec: fits(model, s, b, context, chunk), 1, 1)
-        longest, longest_bytes = largest(lambda c, s=spec: fits(model, s, 1, c, chunk), CONTEXT_STEP, CONTEXT_STEP)
+        kind = MEMORY_CACHES[name]
+        batch, batch_bytes = largest(lambda b, k=kind: fits(model, k, b, context, chunk), 1, 1)
+        longest, longest_bytes = largest(lambda c, k=kind: fits(model, k, 1, c, chunk), CONTEXT_STEP, CONTEXT_STEP)
         rows.append({"cache": name, "context": context, "largest_batch": batch, "cache_bytes_at_batch": batch_bytes,
                      "longest_context": longest, "cache_bytes_at_context": longest_bytes})
     return {"model": "Llama-3-8B architecture, random fp16 weights", "prefill_chunk": chunk,

@@ -53,8 +53,9 @@ def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
         return "triton is not installed"
     if not keys.codes.is_cuda:
         return f"fused decode attention runs on CUDA, not {keys.codes.device.type}"
-    if keys.bits not in (4, 8):
-        return f"fused decode attention reads int4 or int8 codes, not {keys.bits}-bit"
+    for role, packed in (("K", keys), ("V", values)):
+        if packed.bits not in (4, 8):
+            return f"fused decode attention reads int4 or int8 codes, not {packed.bits}-bit {role}"
     d = keys.head_dim
     if d // 2 < triton_decode.MIN_DOT or d & (d - 1):
         return f"fused decode attention needs a power-of-two head_dim >= {2 * triton_decode.MIN_DOT}, got {d}"
@@ -67,9 +68,9 @@ def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
 
 
 def step_description(query: torch.Tensor, step: DecodeStep) -> str:
-    keys = step.keys
-    return (f"query {tuple(query.shape)} {query.dtype} over int{keys.bits} K/V of {keys.codes.shape[1]} heads in "
-            f"{keys.scales.shape[-1]} scale groups")
+    keys, values = step.keys, step.values
+    return (f"query {tuple(query.shape)} {query.dtype} over int{keys.bits} K and int{values.bits} V of "
+            f"{keys.codes.shape[1]} heads in {keys.scales.shape[-1]} and {values.scales.shape[-1]} scale groups")
 
 
 def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float,
@@ -134,7 +135,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
         resident = cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, query.device).resident_blocks
     else:
         shape = (gqa, _padded_heads(gqa, keys.scales.shape[-1], values.scales.shape[-1]), d // 2, keys.bits,
-                 keys.scales.shape[-1], values.scales.shape[-1], launch.block)
+                 values.bits, keys.scales.shape[-1], values.scales.shape[-1], launch.block)
         constants = dict(SHAPE=shape, DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl,
                          num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts

@@ -155,17 +155,19 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     """queries: (q, q @ query_map), (B, Hq, d); keys, values: (codes, scales), (B, Hkv, capacity, .) buffers;
     window: (keys, values), (B, Hkv, window_capacity, d); partials: (sums (B, Hq, splits, d), maxima and
     normalizers (B, Hq, splits)); all contiguous. counts: (n_packed, n_window, tokens_per_split, capacity,
-    window_capacity); SHAPE: (GQA, GQA_P, HALF, BITS, K_GROUPS, V_GROUPS, BLOCK).
+    window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK): K and V codes
+    of their own widths (4 or 8).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
     whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
     counts come from lengths_ptr (see device_lengths) instead of counts."""
     GQA: tl.constexpr = SHAPE[0]
     GQA_P: tl.constexpr = SHAPE[1]
     HALF: tl.constexpr = SHAPE[2]
-    BITS: tl.constexpr = SHAPE[3]
-    K_GROUPS: tl.constexpr = SHAPE[4]
-    V_GROUPS: tl.constexpr = SHAPE[5]
-    BLOCK: tl.constexpr = SHAPE[6]
+    K_BITS: tl.constexpr = SHAPE[3]
+    V_BITS: tl.constexpr = SHAPE[4]
+    K_GROUPS: tl.constexpr = SHAPE[5]
+    V_GROUPS: tl.constexpr = SHAPE[6]
+    BLOCK: tl.constexpr = SHAPE[7]
     q_ptr, qmap_ptr = queries
     o_ptr, m_ptr, l_ptr = partials
     n_packed, n_window, tokens_per_split, capacity, window_capacity = counts
@@ -187,21 +189,21 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     acc_odd = tl.zeros([V_GROUPS * GQA_P, HALF], tl.float32)
     row = pid_bh.to(tl.int64) * capacity
     if split < n_splits - 1:
-        query = _grouped_query(qmap_ptr, q_offset, row_ok, (scale, scale / HIGH_STEP if BITS == 4 else scale),
+        query = _grouped_query(qmap_ptr, q_offset, row_ok, (scale, scale / HIGH_STEP if K_BITS == 4 else scale),
                                HALF, K_GROUPS, GQA_P)
-        k_bias = _query_bias(query, BITS)
+        k_bias = _query_bias(query, K_BITS)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_packed)
-        kc = keys[0] + row * (HALF * BITS // 4)
-        vc = values[0] + row * (HALF * BITS // 4)
+        kc = keys[0] + row * (HALF * K_BITS // 4)
+        vc = values[0] + row * (HALF * V_BITS // 4)
         ks = keys[1] + row * K_GROUPS
         vs = values[1] + row * V_GROUPS
         for t0 in range(start, end, BLOCK):
             tokens = t0 + tl.arange(0, BLOCK)
             valid = tokens < end
             m_i, l_i, acc_even, acc_odd = _online_softmax_step(
-                query, k_bias, _load_codes(kc, tokens, valid, BITS, HALF, VALUES=False),
-                _load_scales(ks, tokens, valid, K_GROUPS), _load_codes(vc, tokens, valid, BITS, HALF, VALUES=True),
+                query, k_bias, _load_codes(kc, tokens, valid, K_BITS, HALF, VALUES=False),
+                _load_scales(ks, tokens, valid, K_GROUPS), _load_codes(vc, tokens, valid, V_BITS, HALF, VALUES=True),
                 _load_scales(vs, tokens, valid, V_GROUPS), valid, (m_i, l_i, acc_even, acc_odd), GQA_P, BLOCK)
     else:
         query = _grouped_query(q_ptr, q_offset, row_ok, (scale, scale), HALF, K_GROUPS, GQA_P)
