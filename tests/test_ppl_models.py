@@ -74,3 +74,11 @@ def test_hook_mode_hooks_are_removed():
         after = lm.model(input_ids=ids).logits
     assert not torch.allclose(before, during)
     assert torch.equal(before, after)
+
+
+def test_kvquant_on_smollm2_orders_by_bits_and_its_outliers_help():
+    """KVQuant at its k_proj / v_proj point (hook mode), the official simulation's online configuration."""
+    def kvquant(bits, outliers):
+        return dppl("smollm2-135m", QuantSpec("kvquant", bits, options={"outliers": outliers}))
+
+    assert kvquant(4, 0.01) < kvquant(3, 0.01) < kvquant(3, 0.0)
