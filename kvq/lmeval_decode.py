@@ -22,7 +22,6 @@ import torch
 
 from kvq.apply import QuantizerBank
 from kvq.protocol import Protocol
-from kvq.quant.exact import Exact
 
 # a new static cache holds the batch's prompts and new tokens rounded up to this many tokens, plus this many, so
 # later batches (lm-eval's tasks ask for different numbers of new tokens) fit in it and share its compiled step
@@ -40,16 +39,12 @@ def fast_path_reason(bank: QuantizerBank | None, mode: str, protocol: Protocol, 
                 "(window 0 also quantizes a step's own token)")
     if bank is None:
         return None
+    from kvq.static_cache import unheld_reason
+
     for layer in range(bank.geometry.n_layers):
-        if isinstance(bank.get(layer, "k"), Exact):  # a layer the policy keeps exact (K and V) is a plain fp one
-            continue
-        for role in ("k", "v"):
-            reason = bank.get(layer, role).packing_reason()
-            if reason is not None:
-                return f"layer {layer} {role.upper()}: {reason}"
-        bits = [bank.get(layer, role).packed_form().layout.bits for role in ("k", "v")]
-        if bits[0] != bits[1]:  # kvq::decode_attention takes one code width for both
-            return f"layer {layer}: the fused decode reads K and V codes of one width, not K{bits[0]}/V{bits[1]}"
+        reason = unheld_reason(bank, layer)
+        if reason is not None:
+            return reason
     return None
 
 

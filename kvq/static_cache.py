@@ -149,16 +149,7 @@ class StaticQuantizedLayer(StaticKVLayer):
         super().__init__(max_cache_len)
         if window < 1 or window > max_cache_len:
             raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
-        self.forms: dict[str, PackedForm] = {}
-        for role in ROLES:
-            quantizer = bank.get(layer, role)
-            if quantizer.packed_form() is None:
-                raise KvqError(f"the static quantized cache stores packed layouts only: {quantizer.packing_reason()}")
-            self.forms[role] = quantizer.packed_form()
-        widths = [form.layout.bits for form in self.forms.values()]
-        if widths[0] != widths[1]:
-            raise KvqError(f"layer {layer}: the static quantized cache's decode step reads K and V codes of one width "
-                           f"(kvq::decode_attention takes one), not K{widths[0]}/V{widths[1]}")
+        self.forms: dict[str, PackedForm] = {role: bank.get(layer, role).packed_form() for role in ROLES}
         self.window = window
         self.packed: dict[str, ops.PackedKV] = {}
         self.ring: dict[str, torch.Tensor] = {}
@@ -225,9 +216,28 @@ class StaticQuantizedLayer(StaticKVLayer):
             self.counts.zero_()
 
 
+def unheld_reason(bank: QuantizerBank, layer: int) -> str | None:
+    """None where the static cache holds a full-attention layer's sites: exact (a policy's `use: fp` keeps a layer's
+    K and V exact together), or packed layouts of one code width for K and V; else why it does not."""
+    if isinstance(bank.get(layer, "k"), Exact):
+        return None
+    for role in ROLES:
+        reason = bank.get(layer, role).packing_reason()
+        if reason is not None:
+            return f"layer {layer} {role.upper()}: the static quantized cache stores packed layouts only: {reason}"
+    bits = [bank.get(layer, role).packed_form().layout.bits for role in ROLES]
+    if bits[0] != bits[1]:
+        return (f"layer {layer}: the static quantized cache's decode step reads K and V codes of one width "
+                f"(kvq::decode_attention takes one), not K{bits[0]}/V{bits[1]}")
+    return None
+
+
 def static_layer(bank: QuantizerBank, layer: int, max_cache_len: int, window: int) -> StaticKVLayer:
-    """The static layer for a full-attention layer's sites: exact where the policy keeps the layer exact (`use: fp`
-    keeps its K and V exact together), packed otherwise."""
+    """The static layer for a full-attention layer's sites: a plain fp layer where the policy keeps it exact, packed
+    otherwise (`unheld_reason` says which layers it refuses)."""
+    reason = unheld_reason(bank, layer)
+    if reason is not None:
+        raise KvqError(reason)
     if isinstance(bank.get(layer, "k"), Exact):
         return StaticExactLayer(max_cache_len)
     return StaticQuantizedLayer(bank, layer, max_cache_len, window)
