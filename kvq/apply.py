@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from kvq import ops
 from kvq.attention import SCORE_ATTENTION, WINDOW_ATTENTION, switch_attention, uses_score_path
+from kvq.center import MEAN_BITS, KeyCenter, check_center
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
 from kvq.protocol import MODES, Protocol
@@ -50,7 +51,8 @@ def kv_geometry(model_config) -> KVGeometry:
 
 class QuantizerBank:
     """One quantizer per (layer, K|V) site, built on first use, with learned pieces from a calibration; a
-    SitePolicy (kvq.policy) gives sites their own settings or keeps them exact."""
+    SitePolicy (kvq.policy) gives sites their own settings or keeps them exact. Sites whose spec centers its keys
+    (kvq.center) read their offsets from `center`, fitted to the model before a run (kvq.experiment)."""
 
     def __init__(self, spec: QuantSpec, geometry: KVGeometry,
                  learned: dict[tuple[int, str], Learned] | None = None, policy: SitePolicy = SitePolicy()):
@@ -59,7 +61,8 @@ class QuantizerBank:
         self.learned = learned or {}
         self.policy = policy
         self._built: dict[tuple[int, str], Quantizer] = {}
-        # Bad bits, group sizes or policies should fail here, before any model work.
+        self.center: KeyCenter | None = None
+        # Bad bits, group sizes, centers or policies should fail here, before any model work.
         self._site_specs = None
         if not policy.is_default:
             if learned:
@@ -71,12 +74,33 @@ class QuantizerBank:
                     self.get(layer, role)
                 except KvqError as exc:
                     raise KvqError(f"policy: the {role.upper()} quantizer of layer {layer}: {exc}") from None
+        self.key_centers = self._key_centers()
         self.bits_per_element(1)
+
+    def site_spec(self, layer: int, role: str) -> QuantSpec | None:
+        return self.spec if self._site_specs is None else self._site_specs[(layer, role)]
+
+    def _key_centers(self) -> dict[int, str]:
+        """layer -> how its keys are centered, for the layers that center them."""
+        check_center(self.spec.center)
+        centers = {}
+        for layer in range(self.geometry.n_layers):
+            values = self.site_spec(layer, "v")
+            if values is not None and values.center != self.spec.center:  # a policy's V field
+                raise KvqError(f"center applies to keys; layer {layer}'s V sites ask for {values.center!r}")
+            keys = self.site_spec(layer, "k")
+            if keys is None or check_center(keys.center) == "none":
+                continue
+            if uses_score_path(self.get(layer, "k")):
+                raise KvqError(f"center: {keys.quantizer}'s keys are scored from their sketch, never decoded, so "
+                               "they cannot be centered")
+            centers[layer] = keys.center
+        return centers
 
     def get(self, layer: int, role: str) -> Quantizer:
         key = (layer, role)
         if key not in self._built:
-            spec = self.spec if self._site_specs is None else self._site_specs[key]
+            spec = self.site_spec(layer, role)
             site = Site(layer, role, self.geometry.head_dim, self.learned.get(key))
             self._built[key] = Exact() if spec is None else build_quantizer(spec, site)
         return self._built[key]
@@ -86,12 +110,15 @@ class QuantizerBank:
         built so far (every site that ran, after a run; every site of a policy; sites may differ, e.g. QJL
         keys vs values)."""
         self.get(0, "k")
-        sizes = [q.bits_per_element(self.geometry.head_dim, n_tokens) for q in self._built.values()]
+        sizes = [q.bits_per_element(self.geometry.head_dim, n_tokens)
+                 + (MEAN_BITS / n_tokens if role == "k" and self.key_centers.get(layer) == "mean" else 0)
+                 for (layer, role), q in self._built.items()]
         return sum(sizes) / len(sizes)
 
     def measured_bits_per_element(self) -> float | None:
-        """Storage actually produced by every call so far, over all sites; None before any call."""
-        bits = sum(q.stored_bits for q in self._built.values())
+        """Storage actually produced by every call so far, over all sites (and the stored key means, once per
+        layer); None before any call."""
+        bits = sum(q.stored_bits for q in self._built.values()) + (self.center.stored_bits if self.center else 0)
         elements = sum(q.stored_elements for q in self._built.values())
         return bits / elements if elements else None
 
@@ -103,11 +130,18 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def _projection_hook(quantizer: Quantizer, head_dim: int) -> Callable:
+def _projection_hook(bank: QuantizerBank, layer: int, role: str) -> Callable:
+    quantizer, head_dim = bank.get(layer, role), bank.geometry.head_dim
+    centered = role == "k" and bank.center is not None and bank.center.covers(layer)
+
     def hook(_module, _inputs, output):
         batch, tokens, width = output.shape
         heads = output.view(batch, tokens, width // head_dim, head_dim).transpose(1, 2)
-        return ops.roundtrip(quantizer, heads).transpose(1, 2).reshape(batch, tokens, width).to(output.dtype)
+        if centered:  # k_proj's output is pre-RoPE: the offset as it is
+            heads = bank.center.centered_roundtrip(layer, heads, lambda x: ops.roundtrip(quantizer, x), rotated=False)
+        else:
+            heads = ops.roundtrip(quantizer, heads)
+        return heads.transpose(1, 2).reshape(batch, tokens, width).to(output.dtype)
 
     return hook
 
@@ -118,6 +152,8 @@ def quantized_pair(bank: QuantizerBank, layer: int, keys: torch.Tensor, values: 
     key_quantizer = bank.get(layer, "k")
     if uses_score_path(key_quantizer):
         keys = key_quantizer.attention_keys(keys)
+    elif bank.center is not None and bank.center.covers(layer):  # cache writes are post-RoPE: rotated offsets
+        keys = bank.center.centered_roundtrip(layer, keys, lambda x: ops.roundtrip(key_quantizer, x), rotated=True)
     else:
         keys = ops.roundtrip(key_quantizer, keys).to(keys.dtype)
     return keys, ops.roundtrip(bank.get(layer, "v"), values).to(values.dtype)
@@ -176,15 +212,17 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str,
     With bank None the model runs unquantized (the fp baseline), on the same code path.
     """
     check_protocol(check_mode(mode), protocol)
+    if bank is not None and bank.key_centers and bank.center is None:
+        raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
     handles = []
     restore = None
+    untrack = bank.center.track_positions(model) if bank is not None and bank.center and mode == "cache" else None
     try:
         if mode == "hook":
             if bank is not None:
-                head_dim = bank.geometry.head_dim
                 for attention in attention_modules(model):
                     for role, projection in (("k", attention.k_proj), ("v", attention.v_proj)):
-                        hook = _projection_hook(bank.get(attention.layer_idx, role), head_dim)
+                        hook = _projection_hook(bank, attention.layer_idx, role)
                         handles.append(projection.register_forward_hook(hook))
             yield lambda: {"use_cache": False}
         elif bank is None:
@@ -201,6 +239,8 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str,
             handle.remove()
         if restore:
             restore()
+        if untrack:
+            untrack()
 
 
 def _use_window_attention(model: torch.nn.Module, bank: QuantizerBank, protocol: Protocol):

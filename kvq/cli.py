@@ -45,6 +45,7 @@ def ppl(
     seed: int = typer.Option(0),
     option: list[str] = typer.Option([], help="method-specific key=value, repeatable"),
     calibration: Path | None = typer.Option(None, help="artifact from `kvq calibrate`"),
+    center: str = typer.Option("none", help="keys less a known offset before encoding: none, bias or mean"),
     policy: str = typer.Option("", help="per-site policy as YAML, e.g. '{k: {bits: 8}, layers: [{first: 2, "
                                         "use: fp}]}' (kvq.policy); the options above are its base"),
     kld: bool = typer.Option(False, help="also KL(fp || quantized) and top-1 agreement with fp"),
@@ -70,7 +71,7 @@ def ppl(
     from kvq.store import write_json_atomic
 
     spec = QuantSpec(quant, bits, granularity, group_size, not asymmetric, scale_dtype, seed, parse_options(option),
-                     str(calibration) if calibration else None)
+                     str(calibration) if calibration else None, center)
     site_policy = policy_from_yaml(policy)
     data = DataSpec(corpus, seq_len, n_windows, batch_size)
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))

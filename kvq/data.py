@@ -102,17 +102,26 @@ def split_documents(docs: list[str], split: str) -> list[str]:
     return docs[:-n_calib] if split == "eval" else docs[-n_calib:]
 
 
-def token_windows(tokenizer, corpus: str = "shakespeare", seq_len: int = 256, n_windows: int = 8,
-                  split: str = "eval") -> torch.Tensor:
-    """(n_windows, seq_len) consecutive non-overlapping windows of the split's token stream."""
-    if seq_len < 2 or n_windows < 1:
-        raise KvqError(f"need seq_len >= 2 and n_windows >= 1, got {seq_len} and {n_windows}")
-    needed = seq_len * n_windows
+def _split_tokens(tokenizer, corpus: str, split: str, needed: int) -> list[int]:
+    """The split's token stream, its documents in order, stopping once `needed` tokens are read."""
     stream: list[int] = []
     for doc in split_documents(documents(corpus), split):
         stream.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
         if len(stream) >= needed:
             break
+    return stream
+
+
+def token_windows(tokenizer, corpus: str = "shakespeare", seq_len: int = 256, n_windows: int = 8,
+                  split: str = "eval", at_most: bool = False) -> torch.Tensor:
+    """(n_windows, seq_len) consecutive non-overlapping windows of the split's token stream; `at_most`: as many
+    of them as the split holds, one at least."""
+    if seq_len < 2 or n_windows < 1:
+        raise KvqError(f"need seq_len >= 2 and n_windows >= 1, got {seq_len} and {n_windows}")
+    stream = _split_tokens(tokenizer, corpus, split, seq_len * n_windows)
+    if at_most:
+        n_windows = max(1, min(n_windows, len(stream) // seq_len))
+    needed = seq_len * n_windows
     if len(stream) < needed:
         raise KvqError(
             f"corpus {corpus!r} ({split}) has {len(stream)} tokens, fewer than {n_windows} x {seq_len}"

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
-from kvq.provenance import PACKAGE_DIR, versions
+from kvq.provenance import PACKAGE_DIR, device_name, versions
 
 # Modules that cannot change a cell's number: they parse specs, print, plot, lock, store or judge records, time
 # kernels for kvq bench (kvq bench reports speed, never a cell), or hand cells to workers (every executor measures
@@ -233,18 +233,20 @@ def code_version(quantizers: frozenset[str] = frozenset(), metrics: frozenset[st
 
 
 def device_kind(device: str) -> str:
-    """'cuda:1' -> 'cuda': the kind of device shapes numbers, not which card of it."""
+    """'cuda:1' -> 'cuda'."""
     return device.split(":", 1)[0]
 
 
 def measuring_context(device: str, quantizers: Iterable[str] = (),
                       metrics: Iterable[str] = ()) -> dict[str, str | None]:
     """What a number measured now with these quantizers (none: fp) of these metrics beyond perplexity depends on
-    besides its config and data."""
+    besides its config and data. The device is named as provenance names it (the card; the CPU's model and the
+    instruction set its kernels take): another CPU rounds sums apart, so its cells are stale here and its fp
+    baselines are not the ones this CPU's cells are paired with."""
     installed = versions()
     accelerator = device_kind(device) != "cpu"
     return {"code": code_version(frozenset(quantizers), frozenset(metrics), accelerator), "torch": installed["torch"],
-            "transformers": installed["transformers"], "device": device_kind(device)}
+            "transformers": installed["transformers"], "device": device_name(device)}
 
 
 def corpus_digest(corpus: str) -> str:

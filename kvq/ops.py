@@ -123,12 +123,12 @@ for _device in ("cuda", "mps"):
 def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: torch.Tensor,
                       key_scales: torch.Tensor, value_codes: torch.Tensor, value_scales: torch.Tensor,
                       window_keys: torch.Tensor, window_values: torch.Tensor, output_map: torch.Tensor, scale: float,
-                      bits: int, counts: torch.Tensor | None) -> torch.Tensor:
+                      key_bits: int, value_bits: int, counts: torch.Tensor | None) -> torch.Tensor:
     """counts: None to attend over every row given, or a one-element int64 tensor holding
     device_lengths(packed rows, window rows): the leading rows of the buffers that count. CUDA runs the kernels
     where the layout has them; everything else the reference."""
     d = query.shape[-1]
-    step = DecodeStep(PackedKV(key_codes, key_scales, bits, d), PackedKV(value_codes, value_scales, bits, d),
+    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d), PackedKV(value_codes, value_scales, value_bits, d),
                       (window_keys, window_values), query_map, output_map)
     if query.is_cuda:
         # The kernels' modules are imported here, on CUDA only: a CPU measurement never loads them (kvq.fingerprint
@@ -147,7 +147,7 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
 
 @_decode_attention.register_fake
 def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
-      scale, bits, counts):
+      scale, key_bits, value_bits, counts):
     return torch.empty_like(query)
 
 
@@ -193,7 +193,7 @@ def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts
     keys, values = step.keys, step.values
     return torch.ops.kvq.decode_attention(query, step.query_map, keys.codes, keys.scales, values.codes,
                                           values.scales, *step.window, step.output_map, float(scale), keys.bits,
-                                          counts)
+                                          values.bits, counts)
 
 
 def encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:

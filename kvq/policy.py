@@ -9,6 +9,7 @@ A cell's QuantSpec is the base. A SitePolicy changes it per (layer, K|V) site:
         - {first: 2, use: fp}           # the first two layers keep exact K/V
         - {last: 1, use: fp}
         - {layers: [5, "8-11"], k: {granularity: per_channel_group}}
+        - {last: 4, k: {center: bias}}  # those layers' keys less k_proj's bias before encoding (kvq.center)
 
 `use: fp` keeps a site exact (fp16, 16 stored bits per element, nothing quantized); `k:` / `v:` inside a layer
 rule override that role's fields on those layers. Two rules that select one layer must agree on every field they
@@ -24,7 +25,7 @@ from kvq.quant.spec import ROLES, QuantSpec
 
 FP = "fp"
 SPEC_FIELDS = {"quantizer": str, "bits": int, "granularity": str, "group_size": int, "symmetric": bool,
-               "scale_dtype": str, "options": dict}  # the QuantSpec fields a site may set
+               "scale_dtype": str, "options": dict, "center": str}  # the QuantSpec fields a site may set
 RULE_SELECTORS = ("first", "last", "layers")
 
 

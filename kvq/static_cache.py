@@ -10,10 +10,9 @@ attends straight from the codes (kvq.ops.decode_attention, the token counts read
 call's `update` returns the whole buffer dequantized with the exact rows in place, which any attention
 implementation reads under the usual static-cache mask.
 
-A per-site policy (kvq.policy) gives layers their own layouts, K and V codes of one width within a layer (the
-fused decode reads one width for both), and the layers it keeps exact (`use: fp`) hold plain fp K/V that a
-decode step reads with SDPA over each K/V head once (`StaticExactLayer`). Sliding-window layers stay
-transformers' static sliding layers.
+A per-site policy (kvq.policy) gives layers their own layouts, K and V codes of a width each (K8/V4), and the
+layers it keeps exact (`use: fp`) hold plain fp K/V that a decode step reads with SDPA over each K/V head once
+(`StaticExactLayer`). Sliding-window layers stay transformers' static sliding layers.
 """
 
 import torch
@@ -218,17 +217,16 @@ class StaticQuantizedLayer(StaticKVLayer):
 
 def unheld_reason(bank: QuantizerBank, layer: int) -> str | None:
     """None where the static cache holds a full-attention layer's sites: exact (a policy's `use: fp` keeps a layer's
-    K and V exact together), or packed layouts of one code width for K and V; else why it does not."""
+    K and V exact together), or packed layouts (K and V codes of a width each); else why it does not."""
+    if bank.key_centers.get(layer):
+        return (f"layer {layer} K: the static quantized cache stores keys as they come, not centered "
+                f"(center: {bank.key_centers[layer]})")
     if isinstance(bank.get(layer, "k"), Exact):
         return None
     for role in ROLES:
         reason = bank.get(layer, role).packing_reason()
         if reason is not None:
             return f"layer {layer} {role.upper()}: the static quantized cache stores packed layouts only: {reason}"
-    bits = [bank.get(layer, role).packed_form().layout.bits for role in ROLES]
-    if bits[0] != bits[1]:
-        return (f"layer {layer}: the static quantized cache's decode step reads K and V codes of one width "
-                f"(kvq::decode_attention takes one), not K{bits[0]}/V{bits[1]}")
     return None
 
 

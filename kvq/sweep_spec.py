@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvq.center import CENTERS
 from kvq.data import DataSpec
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy, parse_policy
@@ -18,7 +19,7 @@ from kvq.yamlspec import Fields, LocatedMapping, load_located
 METRICS = ("ppl", "kld")
 LMEVAL_PREFIX = "lmeval:"  # metrics "lmeval:<task>" run an lm-eval task per cell
 GRID_FIELDS = ("quantizer", "bits", "granularity", "group_size", "symmetric", "scale_dtype", "options",
-               "calibration")
+               "calibration", "center")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Grid:
     scale_dtype: list[str] = field(default_factory=lambda: ["float32"])
     options: list[dict] = field(default_factory=lambda: [{}])
     calibration: list[str | None] = field(default_factory=lambda: [None])
+    center: list[str] = field(default_factory=lambda: ["none"])
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,12 @@ def _grid(fields_: Fields) -> Grid:
         scale_dtype=fields_.get_list("scale_dtype", str, defaults.scale_dtype),
         options=[dict(o) for o in fields_.get_list("options", dict, defaults.options)],
         calibration=fields_.get_list("calibration", (str, type(None)), defaults.calibration),
+        center=fields_.get_list("center", str, defaults.center),
     )
     _check_members(fields_, "quantizer", grid.quantizer, QUANTIZERS.names())
     _check_members(fields_, "granularity", grid.granularity, GRANULARITIES)
     _check_members(fields_, "scale_dtype", grid.scale_dtype, list(SCALE_DTYPES))
+    _check_members(fields_, "center", grid.center, CENTERS)
     for quantizer, options in itertools.product(grid.quantizer, grid.options):
         try:
             check_options(QuantSpec(quantizer, options=options))
@@ -191,6 +195,8 @@ def load_sweep(path: str | Path) -> SweepSpec:
     for metric in spec.metrics:
         if metric not in METRICS and not (metric.startswith(LMEVAL_PREFIX) and len(metric) > len(LMEVAL_PREFIX)):
             top.fail("metrics", f"{metric!r} is not 'ppl', 'kld' or 'lmeval:<task>'")
+    if spec.lmeval_tasks and any(center != "none" for grid in grids for center in grid.center):
+        top.fail("metrics", "centered keys (center) are measured by perplexity and KL, not yet by lm-eval tasks")
     if spec.policies != [SitePolicy()] and any(q.calibration for grid in grids for q in grid.calibration if q):
         top.fail("policy", "a calibration artifact is made for one quantizer at every site; drop one of them")
     if not spec.name.replace("_", "").replace("-", "").isalnum():
@@ -248,9 +254,10 @@ def expand(spec: SweepSpec) -> list[Cell]:
     for protocol, policy, model in itertools.product(spec.protocols, spec.policies, spec.models):
         for grid in spec.grids:
             combos = itertools.product(*(getattr(grid, f) for f in GRID_FIELDS))
-            for quantizer, bits, granularity, group_size, symmetric, scale_dtype, options, calibration in combos:
+            for quantizer, bits, granularity, group_size, symmetric, scale_dtype, options, calibration, center \
+                    in combos:
                 first = QuantSpec(quantizer, bits, granularity, group_size, symmetric, scale_dtype, spec.seeds[0],
-                                  options, calibration)
+                                  options, calibration, center)
                 first = _without_unused_fields(first)
                 for seed in spec.seeds if is_seeded(first) else spec.seeds[:1]:
                     cell = Cell(model, spec.mode, spec.data, replace(first, seed=seed), tuple(spec.lmeval_tasks),

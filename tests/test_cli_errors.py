@@ -29,6 +29,8 @@ INPUTS = {
     "policy-range.yaml": SPEC + "policy: {layers: [{layers: [30], use: fp}]}\n",
     "policy-clash.yaml": SPEC + "policy: {layers: [{first: 2, use: fp}, {layers: ['1-3'], k: {bits: 8}}]}\n",
     "policy-field.yaml": SPEC + "policy: {v: {bitz: 4}}\n",
+    "center.yaml": SPEC + "  center: [none, median]\n",
+    "center-bias.yaml": SPEC + "  center: [bias]\n",
 }
 NO_MODEL = [
     (["sweep"], "Missing argument 'config'"),
@@ -46,6 +48,7 @@ NO_MODEL = [
     (["sweep", "duplicate.yaml"], "duplicate.yaml:7: field 'mode': duplicate key"),
     (["sweep", "bomb.yaml"], "expands to more than"),
     (["sweep", "int-option.yaml"], "field 'grid.options': int has no option 'S'"),
+    (["sweep", "center.yaml"], "field 'grid.center': 'median' is not one of none, bias, mean"),
     (["sweep", "srft-option.yaml"], "field 'grid.options': srft has no option 'rotation'"),
     (["sweep", "qjl-option.yaml"], "field 'grid.options': qjl has no option 'residual'"),
     (["sweep", "seq.yaml"], "field 'data.seq_len': too small"),
@@ -83,6 +86,8 @@ WITH_MODEL = [
     (["sweep", "policy-range.yaml"], "policy.layers: 30 is out of range for a model of 30 layers"),
     (["sweep", "policy-clash.yaml"], "policy.layers: {first: 2} and {layers: ['1-3']} disagree on layer 1"),
     (["ppl", "--policy", "{v: {bits: 9}}"], "policy: the V quantizer of layer 0"),
+    (["ppl", "--center", "bias"], "center: bias: the model's k_proj has no bias (layer 0)"),
+    (["sweep", "center-bias.yaml"], "center: bias: the model's k_proj has no bias (layer 0)"),
     (["ppl", "--quant", "mlx", "--bits", "4", "--group-size", "48"],
      "mlx affine stores blocks of 48 coordinates; head_dim 64 is not a multiple of 48"),
     (["ppl", "--quant", "ggml", "--option", "type=q3_k"], "ggml option 'type' must be one of q4_0"),

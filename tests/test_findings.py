@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import requires_models, run_kvq
 
-from kvq import records, sweep
+from kvq import fingerprint, records, sweep
 from kvq.fingerprint import sealed
 from kvq.ledger import HEADING
 from kvq.sweep_spec import expand, load_sweep
@@ -149,6 +149,20 @@ def test_cells_from_other_code_are_stale_and_measured_again(tmp_path, monkeypatc
     assert again.ran == outcome.ran
     (record,) = cell_records(tmp_path).values()
     assert record["measured_with"]["code"] == "edited-code"
+
+
+@requires_models
+def test_cells_and_baselines_from_another_cpu_are_not_paired_with_this_ones(tmp_path, monkeypatch):
+    spec = load_sweep(write_spec(tmp_path))
+    sweep.run_sweep(spec, tmp_path / "runs")
+    monkeypatch.setattr(fingerprint, "device_name", lambda device: f"{device} (x86_64, another CPU, AVX2)")
+    (state,) = sweep.sweep_status(spec, tmp_path / "runs")
+    assert state.state == "stale" and state.detail == "stale: measured with another device"
+    sweep.run_sweep(spec, tmp_path / "runs")
+    (record,) = cell_records(tmp_path).values()
+    assert record["measured_with"]["device"] == "cpu (x86_64, another CPU, AVX2)"
+    baselines = sorted((tmp_path / "runs" / spec.name / "baselines").glob("*.json"))
+    assert len(baselines) == 2  # this CPU's fp baseline stays; the other CPU's cells have one of their own
 
 
 @requires_models

@@ -94,9 +94,12 @@ def test_the_static_path_needs_cuda_a_packed_layout_and_a_protocol_it_holds():
     assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(0, True), cuda)
     assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(16, False), cuda)
     assert "hook" in fast_path_reason(bank("int", 4), "hook", Protocol(), cuda)
-    # per-site policies: layers kept exact are plain fp static layers; K and V codes of two widths are not held
+    # per-site policies: layers kept exact are plain fp static layers, K and V codes of two widths are held, keys
+    # centered are not
     k8v4 = QuantizerBank(QuantSpec("int", 4), GEOMETRY, policy=parse_policy({"k": {"bits": 8}}))
-    assert "K8/V4" in fast_path_reason(k8v4, "cache", Protocol(16, True), cuda)
+    assert fast_path_reason(k8v4, "cache", Protocol(16, True), cuda) is None
+    centered = QuantizerBank(QuantSpec("int", 4, center="bias"), GEOMETRY)
+    assert "center: bias" in fast_path_reason(centered, "cache", Protocol(16, True), cuda)
     first_fp = parse_policy({"layers": [{"first": 1, "use": "fp"}]})
     boundary = QuantizerBank(QuantSpec("int", 4), GEOMETRY, policy=first_fp)
     assert fast_path_reason(boundary, "cache", Protocol(16, True), cuda) is None

@@ -82,3 +82,21 @@ def test_kvquant_on_smollm2_orders_by_bits_and_its_outliers_help():
         return dppl("smollm2-135m", QuantSpec("kvquant", bits, options={"outliers": outliers}))
 
     assert kvquant(4, 0.01) < kvquant(3, 0.01) < kvquant(3, 0.0)
+
+
+def test_centering_qwen_keys_rescues_its_4bit_per_token_codes():
+    """Qwen2.5's k_proj biases are what collapse its per-token key codes: the same SRFT-4 codes on keys less the
+    bias (moved to each position) or less their calibration mean lose a fraction of what they lose uncentered."""
+    from dataclasses import replace
+
+    from kvq.data import DataSpec
+    from kvq.experiment import eval_windows, make_bank, measure
+
+    lm = loaded("qwen2.5-coder-0.5b")
+    data = DataSpec("shakespeare", seq_len=256, n_windows=2, batch_size=2)
+    windows = eval_windows(lm, data)
+    base = measure(lm, windows, None, "cache", data).ppl
+    spec = QuantSpec("srft", 4, "per_token")
+    loss = {center: measure(lm, windows, make_bank(lm.name, lm.model.config, replace(spec, center=center)), "cache",
+                            data).ppl - base for center in ("none", "bias", "mean")}
+    assert loss["bias"] < 0.1 * loss["none"] and loss["mean"] < 0.1 * loss["none"]

@@ -44,6 +44,9 @@ def tiny(kind: str):
 # layers that differ: the first kept exact (a plain fp layer), layer 1 at 8 bits, any others at the base's 4
 FIRST_FP_THEN_INT8 = parse_policy({"layers": [{"first": 1, "use": "fp"},
                                               {"layers": [1], "k": {"bits": 8}, "v": {"bits": 8}}]})
+# K and V codes of two widths in every layer (vLLM's K8/V4)
+K8_V4 = parse_policy({"k": {"bits": 8}, "v": {"bits": 4}})
+POLICIES = {"srft4": SitePolicy(), "first-fp-then-int8": FIRST_FP_THEN_INT8, "k8-v4": K8_V4}
 
 
 def bank_for(model, bits: int = 4, policy: SitePolicy = SitePolicy()) -> QuantizerBank:
@@ -66,12 +69,13 @@ def greedy(model, cache, prompt, steps: int, mask=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("policy", [SitePolicy(), FIRST_FP_THEN_INT8], ids=["srft4", "first-fp-then-int8"])
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
     """On CUDA the decode steps under fused_decoding run the fused kernels, whose tensor-core products take
     the query in fp16: their logits agree to 5e-3, the reference's to 2e-4. Under a policy the layers differ: an
-    exact first layer (a full-attention one in llama and qwen2, a sliding one in gemma3), then 8-bit codes."""
+    exact first layer (a full-attention one in llama and qwen2, a sliding one in gemma3), then 8-bit codes; or
+    8-bit keys and 4-bit values in every layer."""
     model = tiny(kind).to(device)
     bank = bank_for(model, policy=policy)
     prompt = torch.randint(0, 101, (1, 13), generator=torch.Generator().manual_seed(1)).to(device)
@@ -81,7 +85,8 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
     if kind != "gemma3":
         exact = policy is FIRST_FP_THEN_INT8
         assert isinstance(static.layers[0], StaticExactLayer if exact else StaticQuantizedLayer)
-        assert [form.layout.bits for form in static.layers[1].forms.values()] == ([8, 8] if exact else [4, 4])
+        widths = [8, 8] if exact else [8, 4] if policy is K8_V4 else [4, 4]
+        assert [form.layout.bits for form in static.layers[1].forms.values()] == widths
     tokens, logits = greedy(model, static, prompt, 12)
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
     assert torch.equal(tokens, expected_tokens)
@@ -91,7 +96,7 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
     assert torch.equal(fused_tokens, expected_tokens)
 
 
-@pytest.mark.parametrize("policy", [SitePolicy(), FIRST_FP_THEN_INT8], ids=["srft4", "first-fp-then-int8"])
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_a_decode_step_compiles_as_one_graph_over_the_reference_ops(policy):
     model = tiny("llama")
     cache = StaticQuantizedCache(bank_for(model, policy=policy), model.config, max_cache_len=32, window=WINDOW)
@@ -131,11 +136,11 @@ def test_left_padded_batches_give_the_tokens_of_batch_one_runs(device):
     assert torch.equal(batch, torch.cat(alone))
 
 
-def test_a_layer_of_k_and_v_codes_of_two_widths_is_refused_naming_it():
-    model = tiny("llama")
-    k8v4 = bank_for(model, policy=parse_policy({"k": {"bits": 8}, "v": {"bits": 4}}))
-    with pytest.raises(KvqError, match=r"layer 0: .* one width .* not K8/V4"):
-        StaticQuantizedCache(k8v4, model.config, max_cache_len=16, window=4)
+def test_a_layer_whose_keys_are_centered_is_refused_naming_it():
+    model = tiny("qwen2")
+    centered = bank_for(model, policy=parse_policy({"layers": [{"layers": [1], "k": {"center": "bias"}}]}))
+    with pytest.raises(KvqError, match=r"layer 1 K: .* not centered \(center: bias\)"):
+        StaticQuantizedCache(centered, model.config, max_cache_len=16, window=4)
 
 
 def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():

@@ -59,8 +59,9 @@ def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
     return {"past_key_values": QuantizedKVCache(bank, model.config, fused=True)}
 
 
-# The per-site policy of a static row (kvq.policy's YAML form): Qwen2's fp boundary layers.
+# The per-site policies of static rows (kvq.policy's YAML form): Qwen2's fp boundary layers; vLLM's K8/V4 mix.
 FP_BOUNDARY = {"layers": [{"first": 1, "use": "fp"}, {"last": 1, "use": "fp"}]}
+K8_V4 = {"k": {"bits": 8}}
 
 
 def _kvq_static(policy: dict | None = None) -> Callable[..., dict]:
@@ -115,6 +116,8 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
     DecodeCache("kvq-int4-static-step", "kvq int4 static, compiled step loop", "int4", _kvq_static(), loop="step"),
     DecodeCache("kvq-int4-fp-boundary-static-step", "kvq int4, first and last layers fp16, static, compiled step "
                 "loop", "int4+fp", _kvq_static(FP_BOUNDARY), loop="step"),
+    DecodeCache("kvq-k8v4-static-step", "kvq int8 K, int4 V, static, compiled step loop", "k8v4", _kvq_static(K8_V4),
+                loop="step"),
     # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
     # static cache's mask, see kvq.gqa_attention).
     DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",

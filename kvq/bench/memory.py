@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvq.bench.decode import FP_BOUNDARY, cache_bytes, decode_model, llama3_8b_like, release_memory
+from kvq.bench.decode import FP_BOUNDARY, K8_V4, cache_bytes, decode_model, llama3_8b_like, release_memory
 from kvq.generate import decode_routing, generate, static_cache
 from kvq.gqa_attention import GQA_SDPA_ATTENTION
 from kvq.policy import parse_policy
@@ -17,6 +17,7 @@ MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows: (spec, per-si
     "fp16": (None, None),
     "kvq-int4": (QuantSpec("srft", 4, "per_group", 32), None),
     "kvq-int4-fp-boundary": (QuantSpec("srft", 4, "per_group", 32), FP_BOUNDARY),
+    "kvq-k8v4": (QuantSpec("srft", 4, "per_group", 32), K8_V4),
 }
 DECODE_STEPS = 8
 CONTEXT_STEP = 8192  # the longest context is searched in whole multiples of this

@@ -24,6 +24,7 @@ class QuantSpec:
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     calibration: str | None = None  # path of a `kvq calibrate` artifact
+    center: str = "none"  # key pre-conditioning (kvq.center): none, bias or mean
 
     def label(self) -> str:
         from kvq.quant import used_fields  # the registry imports this module
@@ -42,6 +43,8 @@ class QuantSpec:
         parts += [f"{key}={value}" for key, value in sorted(self.options.items())]
         if self.calibration:
             parts.append(f"cal={Path(self.calibration).stem}")
+        if self.center != "none":
+            parts.append(f"center={self.center}")
         return "-".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,7 +83,8 @@ def check_role(role: str) -> str:
 def parse_spec(text: str) -> QuantSpec | None:
     """'fp' -> None (no quantization); else NAME[:BITS[:GRANULARITY[:GROUP]]][,key=value...].
 
-    e.g. 'int:4', 'srft:4:per_channel_group:32', 'hqmq,S=24,r=6,outlier_c=3', 'kivi:4,residual=32'.
+    e.g. 'int:4', 'srft:4:per_channel_group:32', 'hqmq,S=24,r=6,outlier_c=3', 'kivi:4,residual=32'; `center=`
+    sets the spec's key pre-conditioning (kvq.center), every other key a method option.
     """
     if text == "fp":
         return None
@@ -100,6 +104,8 @@ def parse_spec(text: str) -> QuantSpec | None:
     except ValueError as exc:
         raise KvqError(f"bad quantizer spec {text!r}: bits and group size are integers") from exc
     kwargs: dict[str, Any] = {"quantizer": name, "options": options}
+    if "center" in options:
+        kwargs["center"] = str(options.pop("center"))
     if numbers:
         kwargs["bits"] = numbers[0]
     if len(fields_) > 1:

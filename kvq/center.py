@@ -1,0 +1,177 @@
+"""Key pre-conditioning (`center`): a known offset of a layer's keys, subtracted before the quantizer encodes them
+and added back after it decodes, so the codes spend none of their range on it. Any quantizer's keys may take it
+(a QuantSpec field, so a sweep grid's or a policy site's too).
+
+- `bias`: k_proj's bias b. Before RoPE a key is W x + b, and RoPE is linear, so at position p the key's offset is
+  R_p b: the bias moved to each position by the model's own rotary embedding (its cos and sin of that forward
+  call). Exact up to float rounding, and the bias is the model's, so it costs no stored bits.
+- `mean`: each head channel's mean of the pre-RoPE keys over the calibration split (the corpus's held-out
+  quarter, kvq.data), moved to each position the same way. The method stores it: 16 bits per head channel, once
+  per layer.
+- `none`: the keys as they come.
+
+In hook mode the keys are k_proj's output (pre-RoPE), so the offset is b or the mean itself; in cache mode they
+are post-RoPE and the offset is rotated. Keys scored from a sketch (QJL's score path) are never decoded, so they
+cannot be centered; neither can the static cache's packed keys (it refuses such a bank).
+"""
+
+import sys
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+from kvq.errors import KvqError
+
+CENTERS = ("none", "bias", "mean")
+MEAN_BITS = 16  # a stored mean is fp16
+
+
+def check_center(center: str) -> str:
+    if center not in CENTERS:
+        raise KvqError(f"center must be one of {', '.join(CENTERS)}, got {center!r}")
+    return center
+
+
+def attention_by_layer(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    return {m.layer_idx: m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")}
+
+
+def bias_reason(attention: torch.nn.Module) -> str | None:
+    """Why `center: bias` cannot center this attention module's keys; None when it can."""
+    if attention.k_proj.bias is None:
+        return "the model's k_proj has no bias"
+    if hasattr(attention, "k_norm"):
+        return "the model normalizes keys after k_proj (k_norm), so the bias is no offset of them"
+    return None
+
+
+def _rope_of(attention: torch.nn.Module) -> Callable:
+    """The model's own apply_rotary_pos_emb(q, k, cos, sin), from the module that defines its attention."""
+    rope = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
+    if rope is None:
+        raise KvqError(f"center: {type(attention).__name__} has no apply_rotary_pos_emb to move offsets with")
+    return rope
+
+
+class KeyCenter:
+    """Per-layer pre-RoPE key offsets (heads, d), moved to the positions of each write in cache mode.
+
+    `track_positions` keeps each attention module's (cos, sin) of the forward call in flight, so a cache write of
+    that layer rotates the offset exactly as the model rotated its keys."""
+
+    def __init__(self, model: torch.nn.Module, offsets: dict[int, torch.Tensor], stored_bits: int):
+        attention = attention_by_layer(model)
+        self.offsets = offsets
+        self.stored_bits = stored_bits
+        self._rope = {layer: _rope_of(attention[layer]) for layer in offsets}
+        self._positions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def covers(self, layer: int) -> bool:
+        return layer in self.offsets
+
+    def offset(self, layer: int, keys: torch.Tensor, rotated: bool) -> torch.Tensor:
+        """The offset of `keys` (batch, heads, tokens, d), broadcastable to them, in float32."""
+        base = self.offsets[layer].to(keys.device)[None, :, None, :]
+        if not rotated:
+            return base
+        cos, sin = self._cos_sin(layer)
+        moved, _ = self._rope[layer](base, base, cos, sin)
+        return moved
+
+    def unrotated(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE `keys` of the write in flight back in their pre-RoPE form, in float32."""
+        cos, sin = self._cos_sin(layer)
+        keys = keys.float()
+        # R_p^-1 k = R(cos, -sin) k / (cos^2 + sin^2): the two entries of a RoPE pair share one angle, and a
+        # rope scaling factor multiplies cos and sin alike.
+        back, _ = self._rope[layer](keys, keys, cos, -sin)
+        return back / (cos * cos + sin * sin).unsqueeze(1)
+
+    def _cos_sin(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self._positions:
+            raise KvqError(f"center: no rotary positions seen for layer {layer}; call track_positions first")
+        return tuple(t.float() for t in self._positions[layer])
+
+    def centered_roundtrip(self, layer: int, keys: torch.Tensor, roundtrip: Callable, rotated: bool):
+        offset = self.offset(layer, keys, rotated)
+        return (roundtrip(keys.float() - offset) + offset).to(keys.dtype)
+
+    def track_positions(self, model: torch.nn.Module) -> Callable[[], None]:
+        """Records (cos, sin) at each covered attention module's entry; returns the undo."""
+        def remember(module, args, kwargs):
+            self._positions[module.layer_idx] = kwargs.get("position_embeddings") or args[1]
+
+        handles = [module.register_forward_pre_hook(remember, with_kwargs=True)
+                   for layer, module in attention_by_layer(model).items() if layer in self.offsets]
+
+        def undo() -> None:
+            for handle in handles:
+                handle.remove()
+            self._positions.clear()
+
+        return undo
+
+
+def bias_offsets(model: torch.nn.Module, layers: list[int], head_dim: int) -> dict[int, torch.Tensor]:
+    attention = attention_by_layer(model)
+    offsets = {}
+    for layer in layers:
+        reason = bias_reason(attention[layer])
+        if reason:
+            raise KvqError(f"center: bias: {reason}")
+        offsets[layer] = attention[layer].k_proj.bias.detach().float().view(-1, head_dim).clone()
+    return offsets
+
+
+def _accumulate(sums: dict, counts: dict, layer: int, keys: torch.Tensor) -> None:
+    """Adds (batch, heads, tokens, d) keys to a layer's per-head-channel sums."""
+    sums[layer] = sums.get(layer, 0) + keys.sum(dim=(0, 2)).double()
+    counts[layer] = counts.get(layer, 0) + keys.shape[0] * keys.shape[2]
+
+
+class _UnrotatedKeySums(DynamicCache):
+    """Sums each covered layer's keys, un-rotated to their pre-RoPE form, as they are written."""
+
+    def __init__(self, center: KeyCenter, sums: dict, counts: dict, config):
+        super().__init__(config=config)
+        self.center, self.sums, self.counts = center, sums, counts
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.center.covers(layer_idx):
+            _accumulate(self.sums, self.counts, layer_idx, self.center.unrotated(layer_idx, key_states))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+@torch.no_grad()
+def mean_offsets(model: torch.nn.Module, layers: list[int], head_dim: int, windows: torch.Tensor, mode: str,
+                 batch_size: int) -> dict[int, torch.Tensor]:
+    """Each layer's per-head-channel mean of the keys before RoPE, as the quantizer sees them in `mode` (k_proj's
+    output in hook mode; the cached keys un-rotated in cache mode), over `windows` of the calibration split."""
+    sums: dict[int, torch.Tensor] = {}
+    counts: dict[int, int] = {}
+    device = next(model.parameters()).device
+    attention = attention_by_layer(model)
+    probe = KeyCenter(model, {layer: None for layer in layers}, 0)
+
+    def record(layer):
+        def hook(_module, _inputs, output):
+            batch, tokens, width = output.shape
+            _accumulate(sums, counts, layer,
+                        output.float().view(batch, tokens, width // head_dim, head_dim).transpose(1, 2))
+        return hook
+
+    handles = ([attention[layer].k_proj.register_forward_hook(record(layer)) for layer in layers]
+               if mode == "hook" else [])
+    undo_positions = probe.track_positions(model) if mode != "hook" else None
+    try:
+        for batch in windows.split(batch_size):
+            kwargs = ({"use_cache": False} if mode == "hook" else
+                      {"use_cache": True, "past_key_values": _UnrotatedKeySums(probe, sums, counts, model.config)})
+            model(input_ids=batch.to(device), **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        if undo_positions:
+            undo_positions()
+    return {layer: (sums[layer] / counts[layer]).float() for layer in layers}
