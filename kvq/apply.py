@@ -75,6 +75,9 @@ class QuantizerBank:
                 except KvqError as exc:
                     raise KvqError(f"policy: the {role.upper()} quantizer of layer {layer}: {exc}") from None
         self.key_centers = self._key_centers()
+        # layers whose key quantizer encodes keys before RoPE (in cache mode kvq.center undoes and redoes it)
+        self.pre_rope_layers = frozenset(layer for layer in range(geometry.n_layers)
+                                         if getattr(self.get(layer, "k"), "keys_before_rope", False))
         self.bits_per_element(1)
 
     def site_spec(self, layer: int, role: str) -> QuantSpec | None:
@@ -132,13 +135,13 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _projection_hook(bank: QuantizerBank, layer: int, role: str) -> Callable:
     quantizer, head_dim = bank.get(layer, role), bank.geometry.head_dim
-    centered = role == "k" and bank.center is not None and bank.center.covers(layer)
+    centered = role == "k" and bank.center is not None and layer in bank.center.offsets
 
     def hook(_module, _inputs, output):
         batch, tokens, width = output.shape
         heads = output.view(batch, tokens, width // head_dim, head_dim).transpose(1, 2)
         if centered:  # k_proj's output is pre-RoPE: the offset as it is
-            heads = bank.center.centered_roundtrip(layer, heads, lambda x: ops.roundtrip(quantizer, x), rotated=False)
+            heads = bank.center.roundtrip(layer, heads, lambda x: ops.roundtrip(quantizer, x), rotated=False)
         else:
             heads = ops.roundtrip(quantizer, heads)
         return heads.transpose(1, 2).reshape(batch, tokens, width).to(output.dtype)
@@ -152,8 +155,8 @@ def quantized_pair(bank: QuantizerBank, layer: int, keys: torch.Tensor, values: 
     key_quantizer = bank.get(layer, "k")
     if uses_score_path(key_quantizer):
         keys = key_quantizer.attention_keys(keys)
-    elif bank.center is not None and bank.center.covers(layer):  # cache writes are post-RoPE: rotated offsets
-        keys = bank.center.centered_roundtrip(layer, keys, lambda x: ops.roundtrip(key_quantizer, x), rotated=True)
+    elif bank.center is not None and bank.center.covers(layer):  # cache writes are post-RoPE
+        keys = bank.center.roundtrip(layer, keys, lambda x: ops.roundtrip(key_quantizer, x), rotated=True)
     else:
         keys = ops.roundtrip(key_quantizer, keys).to(keys.dtype)
     return keys, ops.roundtrip(bank.get(layer, "v"), values).to(values.dtype)
@@ -214,6 +217,8 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str,
     check_protocol(check_mode(mode), protocol)
     if bank is not None and bank.key_centers and bank.center is None:
         raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
+    if bank is not None and bank.pre_rope_layers and bank.center is None:
+        bank.center = KeyCenter(model, {}, 0, bank.pre_rope_layers)
     handles = []
     restore = None
     untrack = bank.center.track_positions(model) if bank is not None and bank.center and mode == "cache" else None

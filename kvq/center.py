@@ -55,20 +55,24 @@ def _rope_of(attention: torch.nn.Module) -> Callable:
 
 
 class KeyCenter:
-    """Per-layer pre-RoPE key offsets (heads, d), moved to the positions of each write in cache mode.
+    """How a layer's keys reach its quantizer beyond the quantizer itself: less a per-layer pre-RoPE offset (heads, d),
+    and for `pre_rope` layers (a quantizer that encodes keys before RoPE, KVQuant's) un-rotated to their pre-RoPE
+    form first and rotated back after decoding, in cache mode, where the keys written are post-RoPE.
 
     `track_positions` keeps each attention module's (cos, sin) of the forward call in flight, so a cache write of
-    that layer rotates the offset exactly as the model rotated its keys."""
+    that layer moves the offset, and undoes and redoes RoPE, exactly as the model rotated its keys."""
 
-    def __init__(self, model: torch.nn.Module, offsets: dict[int, torch.Tensor], stored_bits: int):
+    def __init__(self, model: torch.nn.Module, offsets: dict[int, torch.Tensor], stored_bits: int,
+                 pre_rope: frozenset[int] = frozenset()):
         attention = attention_by_layer(model)
         self.offsets = offsets
         self.stored_bits = stored_bits
-        self._rope = {layer: _rope_of(attention[layer]) for layer in offsets}
+        self.pre_rope = pre_rope
+        self._rope = {layer: _rope_of(attention[layer]) for layer in set(offsets) | pre_rope}
         self._positions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def covers(self, layer: int) -> bool:
-        return layer in self.offsets
+        return layer in self._rope
 
     def offset(self, layer: int, keys: torch.Tensor, rotated: bool) -> torch.Tensor:
         """The offset of `keys` (batch, heads, tokens, d), broadcastable to them, in float32."""
@@ -88,14 +92,24 @@ class KeyCenter:
         back, _ = self._rope[layer](keys, keys, cos, -sin)
         return back / (cos * cos + sin * sin).unsqueeze(1)
 
+    def _rotated(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._cos_sin(layer)
+        moved, _ = self._rope[layer](keys, keys, cos, sin)
+        return moved
+
     def _cos_sin(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self._positions:
             raise KvqError(f"center: no rotary positions seen for layer {layer}; call track_positions first")
         return tuple(t.float() for t in self._positions[layer])
 
-    def centered_roundtrip(self, layer: int, keys: torch.Tensor, roundtrip: Callable, rotated: bool):
-        offset = self.offset(layer, keys, rotated)
-        return (roundtrip(keys.float() - offset) + offset).to(keys.dtype)
+    def roundtrip(self, layer: int, keys: torch.Tensor, roundtrip: Callable, rotated: bool) -> torch.Tensor:
+        """What attention reads in place of `keys` (post-RoPE when `rotated`): `roundtrip` (encode, decode) of the
+        keys in this layer's frame, before RoPE for a pre-RoPE layer, less its offset where it has one."""
+        before_rope = rotated and layer in self.pre_rope
+        frame = self.unrotated(layer, keys) if before_rope else keys.float()
+        offset = self.offset(layer, frame, rotated and not before_rope) if layer in self.offsets else 0
+        decoded = roundtrip(frame - offset) + offset
+        return (self._rotated(layer, decoded) if before_rope else decoded).to(keys.dtype)
 
     def track_positions(self, model: torch.nn.Module) -> Callable[[], None]:
         """Records (cos, sin) at each covered attention module's entry; returns the undo."""
@@ -103,7 +117,7 @@ class KeyCenter:
             self._positions[module.layer_idx] = kwargs.get("position_embeddings") or args[1]
 
         handles = [module.register_forward_pre_hook(remember, with_kwargs=True)
-                   for layer, module in attention_by_layer(model).items() if layer in self.offsets]
+                   for layer, module in attention_by_layer(model).items() if self.covers(layer)]
 
         def undo() -> None:
             for handle in handles:

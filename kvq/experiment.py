@@ -52,7 +52,8 @@ def fit_center(bank: QuantizerBank, lm: models.LoadedModel, data: DataSpec, mode
     if by_kind["mean"]:
         windows = token_windows(lm.tokenizer, data.corpus, data.seq_len, data.n_windows, "calib", at_most=True)
         means = mean_offsets(lm.model, by_kind["mean"], head_dim, windows, mode, data.batch_size)
-    bank.center = KeyCenter(lm.model, {**offsets, **means}, MEAN_BITS * sum(m.numel() for m in means.values()))
+    bank.center = KeyCenter(lm.model, {**offsets, **means}, MEAN_BITS * sum(m.numel() for m in means.values()),
+                            bank.pre_rope_layers)
 
 
 def eval_windows(lm: models.LoadedModel, data: DataSpec):

@@ -15,10 +15,11 @@ keeps its slot), each vector's midpoint and half-range (NF) or scale and zero po
 outlier's fp16 value and int16 position with an int16 count per vector (a CSR-like sparse part).
 
 Method card: where kvq differs from KVQuant. Keys are pre-RoPE in the paper ("Pre-RoPE Key Quantization") and in
-its simulation, which quantizes k_proj's output: kvq's hook mode (`--mode hook`) is that point; in cache mode the
-keys are post-RoPE, so there it is KVQuant's statistics on post-RoPE keys. The paper's nuq datatype (per-layer
-k-means signposts weighted by Fisher information on calibration data, "nuqX") and its offline per-channel key
-thresholds, which let a single decoded token be quantized on its own, need a calibration pass kvq does not run
+its simulation, which quantizes k_proj's output: kvq's hook mode is that point, and in cache mode each written key
+is un-rotated to its pre-RoPE form with the model's own RoPE, encoded, decoded and rotated back (kvq.center; the
+quantizer says so with `keys_before_rope`), so the codes are the same pre-RoPE ones. The paper's nuq datatype
+(per-layer k-means signposts weighted by Fisher information on calibration data, "nuqX") and its offline per-channel
+key thresholds, which let a single decoded token be quantized on its own, need a calibration pass kvq does not run
 for this method yet: this is the official code's online (dynamic) configuration, whose per-channel key statistics
 need the whole call's tokens (a one-token call keeps its keys exact, and pays fp16 side data for it: the measured
 bits show it). The attention sink kept exact ("Attention Sink-Aware Quantization") is the shared protocol's
@@ -76,6 +77,7 @@ class KVQuant(Quantizer):
         if not 0 <= outliers < 1:
             raise KvqError(f"kvquant option 'outliers' must be a fraction in [0, 1), got {outliers}")
         self.role, self.bits, self.datatype, self.outliers = role, bits, datatype, outliers
+        self.keys_before_rope = role == "k"
         self.signposts = torch.tensor(nf_signposts(bits))
 
     def _vectors(self, x: torch.Tensor) -> torch.Tensor:
