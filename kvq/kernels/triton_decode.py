@@ -61,9 +61,12 @@ def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr
                                               "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
                                               is_pure=not VALUES, pack=4)
     else:
-        at = codes_ptr + tokens[:, None] * row_bytes + 2 * pairs[None, :]
-        even = tl.load(at, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float16)
-        odd = tl.load(at + 1, mask=valid[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float16)
+        # one 16-bit load per coordinate pair, as int4 reads one byte per pair: the low byte is the even
+        # coordinate, and arithmetic shifts sign-extend each byte
+        words = codes_ptr.to(tl.pointer_type(tl.int16)) + tokens[:, None] * (row_bytes // 2) + pairs[None, :]
+        word = tl.load(words, mask=valid[:, None], other=0)
+        even = ((word << 8) >> 8).to(tl.float16)
+        odd = (word >> 8).to(tl.float16)
     return even, odd
 
 @triton.jit
