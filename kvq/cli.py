@@ -174,8 +174,7 @@ def compare(
     runs_dir: Path = typer.Option(Path("runs"), help="where both sweeps' cells are"),
     device: str = device_option(),
 ):
-    """Two finished sweeps side by side, per model and protocol: dPPL on each corpus and the rank
-    correlation between them (does a ranking hold on a second text?). Markdown on stdout."""
+    """Two finished sweeps side by side per model and protocol: dPPL on each corpus, their rank correlation."""
     from kvq.records import RecordBook
     from kvq.report import corpus_agreement
     from kvq.results import load_files
@@ -421,6 +420,7 @@ def generate(
     seed: int = typer.Option(0, help="seeds the sampling"),
     stop: list[str] = typer.Option([], help="repeatable: one-token stop strings (default: end of sequence)"),
     window: int = typer.Option(16, min=1, help="quantized cache: the newest tokens kept exact"),
+    policy: str = typer.Option("", help="per-site policy as YAML over --quant (kvq.policy), e.g. '{k: {bits: 8}}'"),
     device: str = device_option(),
 ):
     """Continue prompts through a static cache (fp16, or a quantizer's packed layout), compiled on CUDA."""
@@ -435,7 +435,7 @@ def generate(
     lm = models.load(model, device, torch.float16 if device.startswith("cuda") else torch.float32)
     stream = (lambda text: typer.echo(text, nl=False)) if len(prompt) == 1 else None
     texts = complete(lm, prompt, spec, max_new_tokens, sampling=sampling, stop=stop or None, window=window,
-                     on_text=stream)
+                     on_text=stream, policy=policy_from_yaml(policy, quantized=spec is not None))
     if stream is not None:
         typer.echo()
         return

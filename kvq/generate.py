@@ -213,10 +213,11 @@ def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, 
 
 def complete(lm, prompts: Sequence[str], spec, max_new_tokens: int, *, sampling: Sampling = Sampling(),
              stop: Sequence[str] | None = None, window: int = 16, prefill_chunk: int | None = None,
-             on_text: Callable[[str], None] | None = None) -> list[str]:
-    """Each prompt's continuation (text) from a kvq.models.LoadedModel through a static cache (`static_cache`);
-    fp decodes under kvq.gqa_attention's SDPA, which reads each K/V head once. `stop`: strings of one token each
-    (None: the tokenizer's end-of-sequence token). `on_text` streams a single prompt's text as it is decoded."""
+             on_text: Callable[[str], None] | None = None, policy=None) -> list[str]:
+    """Each prompt's continuation (text) from a kvq.models.LoadedModel through a static cache (`static_cache`, its
+    layers following `policy`); fp decodes under kvq.gqa_attention's SDPA, which reads each K/V head once. `stop`:
+    strings of one token each (None: the tokenizer's end-of-sequence token). `on_text` streams a single prompt's
+    text as it is decoded."""
     tokenizer = lm.tokenizer
     ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
     stop_ids = [tokenizer.eos_token_id] if stop is None and tokenizer.eos_token_id is not None else []
@@ -227,7 +228,7 @@ def complete(lm, prompts: Sequence[str], spec, max_new_tokens: int, *, sampling:
         stop_ids += encoded
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     longest = max((len(row) for row in ids), default=0)
-    cache = static_cache(lm.model, spec, len(ids), longest + max_new_tokens, window)
+    cache = static_cache(lm.model, spec, len(ids), longest + max_new_tokens, window, policy)
     shown: list[int] = []
     text = ""
 

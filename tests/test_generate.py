@@ -264,6 +264,8 @@ BAD_GENERATE_ARGUMENTS = [
     (["--prompt", ""], "--prompt 2 is empty"),
     (["--quant", "kivi:4"], "the static quantized cache stores packed layouts only"),
     (["--stop", "two words"], "a stop string must be one token"),
+    (["--policy", "{k: {bits: 8}}"], "--policy sets sites of a --quant quantizer"),
+    (["--quant", "int:4", "--policy", "{layers: [{first: 1, k: {center: mean}}]}"], "not centered (center: mean)"),
 ]
 
 
@@ -301,3 +303,16 @@ def test_kvq_generate_on_a_built_in_model_continues_each_prompt_as_transformers_
                                     pad_token_id=lm.tokenizer.eos_token_id)
         expected = lm.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         assert text.strip("\n") == expected
+
+
+@requires_models
+@pytest.mark.model
+def test_kvq_generate_follows_its_policy(tmp_path):
+    """2-bit keys and values decode another text than fp's; with every layer kept exact by the policy, fp's."""
+    fp = ["generate", "--prompt", "To be, or not to be", "--max-new-tokens", "16", "--device", "cpu"]
+    quantized = [*fp, "--quant", "int:2"]
+    runs = run_kvq_in_one_process([(tmp_path, fp), (tmp_path, quantized),
+                                   (tmp_path, [*quantized, "--policy", "{layers: [{first: 30, use: fp}]}"])])
+    assert all(done["code"] == 0 for done in runs), [done["stderr"] for done in runs]
+    fp_text, quantized_text, kept_exact_text = (done["stdout"] for done in runs)
+    assert kept_exact_text == fp_text != quantized_text
