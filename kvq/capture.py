@@ -19,10 +19,14 @@ class _Recorder(Exact):
 
 
 class RecordingBank:
-    """Stands where a QuantizerBank would and passes K/V through unchanged while keeping a copy."""
+    """Stands where a QuantizerBank would and passes K/V through unchanged while keeping a copy (its keys as they
+    come: centered nowhere, encoded after RoPE)."""
 
     def __init__(self, geometry: KVGeometry):
         self.geometry = geometry
+        self.key_centers: dict[int, str] = {}
+        self.pre_rope_layers: frozenset[int] = frozenset()
+        self.center = None
         self.records: dict[tuple[int, str], list[torch.Tensor]] = {}
 
     def get(self, layer: int, role: str) -> _Recorder:
