@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from kvq.cli_bench import bench_app
+from kvq.cli_calibrate import calibrate
 from kvq.cli_common import (
     batch_size_option,
     check_generation_options,
@@ -200,41 +201,7 @@ def compare(
 
 
 
-@app.command()
-def calibrate(
-    model: str = typer.Option("smollm2-135m"),
-    base: str = typer.Option("srft", help="fixed base rotation: srft, srht or identity"),
-    learn: str = typer.Option("householder", help="none, lambda, cayley, householder or closed_form"),
-    bits: int = typer.Option(4),
-    granularity: str = typer.Option("per_token"),
-    group_size: int = typer.Option(32),
-    steps: int = typer.Option(300),
-    lr: float = typer.Option(5e-3),
-    reflectors: int | None = typer.Option(None, help="householder reflectors (default head_dim/2)"),
-    seed: int = typer.Option(0, help="seed of the base rotation's signs"),
-    mode: str = typer.Option("hook"),
-    n_windows: int = typer.Option(8, help="calibration windows (from the held-out calibration split)"),
-    seq_len: int = typer.Option(256),
-    max_vectors: int = typer.Option(1024, help="head vectors kept per (layer, K|V)"),
-    device: str = device_option(),
-    out: Path = typer.Option(..., help="artifact path, e.g. runs/calib/smollm2-householder.pt"),
-):
-    """Learn per-site lambda and rotations on captured K/V; save an artifact sweeps can use."""
-    from kvq.apply import check_mode
-    from kvq.calibrate import CalibrationConfig, run_calibration
-    from kvq.quant.scalar import ScalarQuantizer
-
-    check_mode(mode)
-    ScalarQuantizer(bits, granularity, group_size)
-    cfg = CalibrationConfig(model, base, learn, bits, granularity, group_size, steps, lr, reflectors, seed, mode,
-                            n_windows, seq_len, max_vectors)
-    meta = run_calibration(cfg, out, device, window_progress=progress_bar("capture"),
-                           step_progress=outer_progress(f"{learn} steps"))
-    before, after = sum(meta["mse_before"].values()), sum(meta["mse_after"].values())
-    typer.echo(f"{len(meta['mse_before'])} sites, {meta['parameters_per_site']} parameters per site")
-    typer.echo(f"reconstruction MSE (summed over sites) {before:.6g} -> {after:.6g} "
-               f"({100 * (1 - after / before):.1f}% reduction)")
-    typer.echo(f"took {meta['seconds']} s; wrote {out}")
+app.command()(calibrate)
 
 
 @app.command()

@@ -30,9 +30,10 @@ from kvq.provenance import PACKAGE_DIR, device_name, versions
 # kernels for kvq bench (kvq bench reports speed, never a cell), or hand cells to workers (every executor measures
 # a cell with kvq.sweep's CellRunner, which is on the path).
 PRESENTATION_MODULES = frozenset({
-    "__main__.py", "cli.py", "cli_bench.py", "cli_common.py", "errors.py", "fingerprint.py", "ledger.py",
-    "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py", "store.py", "yamlspec.py",
-    "bench/__init__.py", "bench/decode.py", "bench/kernels.py", "bench/memory.py", "bench/tables.py", "bench/timing.py",
+    "__main__.py", "cli.py", "cli_bench.py", "cli_calibrate.py", "cli_common.py", "errors.py", "fingerprint.py",
+    "ledger.py", "locks.py", "plot.py", "provenance.py", "records.py", "report.py", "results.py", "store.py",
+    "yamlspec.py", "bench/__init__.py", "bench/decode.py", "bench/kernels.py", "bench/memory.py", "bench/tables.py",
+    "bench/timing.py",
     "executors/__init__.py", "executors/driver.py", "executors/ray_backend.py", "executors/settings.py",
     "executors/slurm_backend.py", "executors/worker.py",
 })

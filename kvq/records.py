@@ -50,6 +50,9 @@ class RecordBook:
         context = measuring_context(self.device, quantizers_of(cell.config()), metrics_of(cell))
         if cell.quant.calibration:
             context["calibration"] = file_digest(cell.quant.calibration)
+        for option, value in sorted(cell.quant.options.items()):  # an artifact the quantizer reads (nuq signposts)
+            if isinstance(value, str) and Path(value).is_file():
+                context[f"options.{option}"] = file_digest(value)
         return context
 
     def _corpus(self, corpus: str) -> str:

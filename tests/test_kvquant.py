@@ -88,6 +88,8 @@ def test_the_registry_builds_it_with_its_options_checked():
     quantizer = build_quantizer(QuantSpec("kvquant", 3, options={"datatype": "uniform", "outliers": 0.0}), site)
     assert isinstance(quantizer, KVQuant) and quantizer.datatype == "uniform" and quantizer.outliers == 0.0
     with pytest.raises(KvqError, match="datatype"):
+        build_quantizer(QuantSpec("kvquant", 3, options={"datatype": "nf4"}), site)
+    with pytest.raises(KvqError, match="signposts"):  # nuq's fitted signposts (tests/test_kvquant_nuq.py)
         build_quantizer(QuantSpec("kvquant", 3, options={"datatype": "nuq"}), site)
     with pytest.raises(KvqError, match="bits must be one of 2, 3, 4, 5"):
         build_quantizer(QuantSpec("kvquant", 8), site)

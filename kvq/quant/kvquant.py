@@ -8,22 +8,25 @@ simquant_module_quantizer.py, `QuantLinearSim` with `dynamicquantization=True`).
   token) the entries at or beyond its (1 - outliers/2) and outliers/2 quantiles (`get_outliers_dynamic`) are kept
   exact in fp16 with their positions; the range of the rest is taken after setting them to the vector's median.
 - The datatype: NormalFloat signposts (`nf`, the official code's default `nf_nuq=True`: QLoRA's NF construction,
-  normalised to [-1, 1], the vector's midpoint at 0) or uniform asymmetric integers (`uniform`, `quant_fn_zp`).
+  normalised to [-1, 1], the vector's midpoint at 0), signposts fitted per layer and K|V on calibration data (`nuq`,
+  `quant_fn_nuq_recon`, normalised as `nf`), or uniform asymmetric integers (`uniform`, `quant_fn_zp`).
 
 Stored, and counted in the measured bits: every element's b-bit dense code (an outlier's too, as the dense matrix
-keeps its slot), each vector's midpoint and half-range (NF) or scale and zero point (uniform) in fp16, and each
-outlier's fp16 value and int16 position with an int16 count per vector (a CSR-like sparse part).
+keeps its slot), each vector's midpoint and half-range (NF, nuq) or scale and zero point (uniform) in fp16, and each
+outlier's fp16 value and int16 position with an int16 count per vector (a CSR-like sparse part). A layer's nuq
+signposts are a calibration constant, like a codebook (kvq.quant.base), not per-token storage.
 
 Method card: where kvq differs from KVQuant. Keys are pre-RoPE in the paper ("Pre-RoPE Key Quantization") and in
 its simulation, which quantizes k_proj's output: kvq's hook mode is that point, and in cache mode each written key
 is un-rotated to its pre-RoPE form with the model's own RoPE, encoded, decoded and rotated back (kvq.center; the
 quantizer says so with `keys_before_rope`), so the codes are the same pre-RoPE ones. The paper's nuq datatype
-(per-layer k-means signposts weighted by Fisher information on calibration data, "nuqX") and its offline per-channel
-key thresholds, which let a single decoded token be quantized on its own, need a calibration pass kvq does not run
-for this method yet: this is the official code's online (dynamic) configuration, whose per-channel key statistics
-need the whole call's tokens (a one-token call keeps its keys exact, and pays fp16 side data for it: the measured
-bits show it). The attention sink kept exact ("Attention Sink-Aware Quantization") is the shared protocol's
-business in kvq (its exact window and prefill), not this quantizer's.
+(per-layer signposts from k-means weighted by Fisher information on calibration data, "nuqX") is `datatype: nuq`,
+its signposts fitted by `kvq calibrate --learn nuq` (kvq.quant.nuq says where that fit differs). The offline
+per-channel key thresholds, which let a single decoded token be quantized on its own, are not built: this is the
+official code's online (dynamic) configuration, whose per-channel key statistics need the whole call's tokens (a
+one-token call keeps its keys exact, and pays fp16 side data for it: the measured bits show it). The attention
+sink kept exact ("Attention Sink-Aware Quantization") is the shared protocol's business in kvq (its exact window
+and prefill), not this quantizer's.
 """
 
 import math
@@ -36,6 +39,7 @@ import torch
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.config import QuantizerConfig, register_quantizer
+from kvq.quant.nuq import site_signposts
 from kvq.quant.packing import pack, unpack
 from kvq.quant.spec import Site
 
@@ -71,16 +75,20 @@ class KVQuantPacked(Packed):
 
 
 class KVQuant(Quantizer):
-    def __init__(self, role: str, bits: int, datatype: str = "nf", outliers: float = 0.01):
+    """`signposts`: the nuq datatype's 2^bits sorted values in [-1, 1] for this site (kvq.quant.nuq); NF's by
+    default."""
+
+    def __init__(self, role: str, bits: int, datatype: str = "nf", outliers: float = 0.01,
+                 signposts: tuple[float, ...] | None = None):
         if bits not in KVQUANT_BITS:
             raise KvqError(f"kvquant bits must be one of {', '.join(map(str, KVQUANT_BITS))}, got {bits}")
         if not 0 <= outliers < 1:
             raise KvqError(f"kvquant option 'outliers' must be a fraction in [0, 1), got {outliers}")
         self.role, self.bits, self.datatype, self.outliers = role, bits, datatype, outliers
         self.keys_before_rope = role == "k"
-        self.signposts = torch.tensor(nf_signposts(bits))
+        self.signposts = torch.tensor(signposts or nf_signposts(bits))
 
-    def _vectors(self, x: torch.Tensor) -> torch.Tensor:
+    def vectors(self, x: torch.Tensor) -> torch.Tensor:
         """(..., T, d) -> float32 vectors along the last axis: key channels over tokens, value tokens over channels."""
         return (x.transpose(-1, -2) if self.role == "k" else x).float()
 
@@ -93,18 +101,31 @@ class KVQuant(Quantizer):
         lower = torch.quantile(rows, 1 - t, dim=-1, keepdim=True).reshape(*v.shape[:-1], 1)
         return (v <= lower) | (v >= upper)
 
-    def encode(self, x: torch.Tensor) -> KVQuantPacked:
-        v = self._vectors(x)
+    def normalized(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the signposts of `nf` and `nuq` quantize (quant_fn_nf): each of the `vectors` less its inliers'
+        midpoint, over their half-range, so its inliers span [-1, 1], outliers set to 0; with the outlier mask, the
+        midpoints and the half-ranges."""
         mask = self._outlier_mask(v)
+        low, high = self._inlier_range(v, mask)
+        low, high = (high + low) / 2, (high - low) / 2
+        return torch.where(mask, 0.0, v - low) / high, mask, low, high
+
+    @staticmethod
+    def _inlier_range(v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each vector's least and greatest entry once its outliers are set to its median."""
         median = v.median(dim=-1, keepdim=True).values
         inliers = torch.where(mask, median, v)
-        top, bottom = inliers.amax(-1, keepdim=True), inliers.amin(-1, keepdim=True)
+        return inliers.amin(-1, keepdim=True), inliers.amax(-1, keepdim=True)
+
+    def encode(self, x: torch.Tensor) -> KVQuantPacked:
         levels = 2 ** self.bits - 1
-        if self.datatype == "nf":  # quant_fn_nf
-            low, high = (top + bottom) / 2, (top - bottom) / 2
-            scaled = torch.where(mask, 0.0, v - low) / high
+        v = self.vectors(x)
+        if self.datatype in ("nf", "nuq"):
+            scaled, mask, low, high = self.normalized(v)
             codes = (scaled.unsqueeze(-1) - self.signposts.to(v.device)).abs().argmin(-1)
         else:  # quant_fn_zp
+            mask = self._outlier_mask(v)
+            bottom, top = self._inlier_range(v, mask)
             low = levels / (top - bottom)
             high = torch.round(bottom * low).clamp(-levels, 0)
             codes = torch.round(low * torch.where(mask, 0.0, v) - high).clamp(0, levels)
@@ -117,7 +138,7 @@ class KVQuant(Quantizer):
         length = packed.shape[-2] if self.role == "k" else packed.shape[-1]
         codes = unpack(packed.codes, self.bits, length, signed=False).long()
         low, high = packed.low.float(), packed.high.float()
-        if self.datatype == "nf":
+        if self.datatype in ("nf", "nuq"):
             v = self.signposts.to(codes.device)[codes].float() * high + low
         else:
             v = (codes.float() + high) / low
@@ -158,12 +179,18 @@ def _mask_of(packed: KVQuantPacked, shape: torch.Size) -> torch.Tensor:
 @register_quantizer("kvquant")
 @dataclass(frozen=True)
 class KVQuantConfig(QuantizerConfig):
-    """K per channel over the call's tokens, V per token; NF or uniform codes; `outliers` of each vector in fp16."""
+    """K per channel over the call's tokens, V per token; NF, fitted (nuq) or uniform codes; `outliers` of each
+    vector in fp16. `signposts`: the `kvq calibrate --learn nuq` artifact the nuq datatype reads."""
 
     bits: int
-    datatype: Literal["nf", "uniform"] = "nf"
+    datatype: Literal["nf", "nuq", "uniform"] = "nf"
     outliers: float = 0.01
+    signposts: str | None = None
     seeded = False
 
     def build(self, site: Site, seed: int) -> Quantizer:
-        return KVQuant(site.role, self.bits, self.datatype, self.outliers)
+        if (self.datatype == "nuq") != (self.signposts is not None):
+            raise KvqError("kvquant option 'signposts' names the artifact of `kvq calibrate --learn nuq`, which "
+                           "datatype nuq needs and the other datatypes do not read")
+        fitted = site_signposts(self.signposts, site, self.bits, self.outliers) if self.signposts else None
+        return KVQuant(site.role, self.bits, self.datatype, self.outliers, fitted)
