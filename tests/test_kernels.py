@@ -353,6 +353,11 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
     (2, 16, 4, 128, 3001, 16, 4, 8, 32, torch.float16, torch.float16),
     (3, 9, 3, 64, 517, 3, 8, 4, 16, torch.float32, torch.float32),
     (1, 4, 1, 256, 1000, 16, 8, 4, 64, torch.float32, torch.float32),
+    # int8 K and int4 V in csrc/decode_attention.cu's shapes: ragged tiles, fp16 scales, empty window, one token
+    (1, 32, 8, 128, 32768, 8, 8, 4, 32, torch.float16, torch.float32),
+    (2, 16, 4, 128, 3001, 16, 8, 4, 32, torch.float16, torch.float16),
+    (1, 12, 4, 128, 777, 0, 8, 4, 32, torch.bfloat16, torch.float32),
+    (1, 4, 2, 128, 1, 16, 8, 4, 32, torch.float32, torch.float32),
 ])
 def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, key_bits,
                                                       value_bits, group, dtype, scales, monkeypatch):
@@ -365,6 +370,8 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     rotation, lam = SRFT(d, tokens).matrix(), torch.rand(d, generator=generator) + 0.5
     step = DecodeStep(keys, values, window, (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda())
     launch = LaunchConfig(partial=partial)
+    if partial == "cuda" and d == 128 and value_bits == 4 and group == 32 and q_heads // kv_heads <= 4:
+        assert cuda_decode.partial_fits(query, keys, values, window)  # int4 and int8 keys alike
     got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
                                                                                                       d ** -0.5)
     # the second call goes through the compiled kernels' own launchers

@@ -22,6 +22,7 @@ HEAD_DIM = 128  # csrc/decode_attention.cu's KVQ_D
 GROUPS = 4  # its scale groups per row (32 coordinates each)
 MAX_GQA = 4  # its query heads per KV head
 MMA_TILE = 16  # rows and columns of an m16n8k16 A fragment
+KEY_BITS = (4, 8)  # its KVQ_KEY_BITS builds; values are int4
 
 
 class DecodeArguments(ctypes.Structure):
@@ -53,23 +54,24 @@ def reduce_fits(query: torch.Tensor) -> bool:
 def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """The shapes csrc/decode_attention.cu is written for (its header), with the window in the query's dtype.
     keys, values: PackedKV."""
-    return (builds_on(query.device) and keys.bits == values.bits == 4 and keys.head_dim == HEAD_DIM
+    return (builds_on(query.device) and keys.bits in KEY_BITS and values.bits == 4 and keys.head_dim == HEAD_DIM
             and keys.scales.shape[-1] == values.scales.shape[-1] == GROUPS
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= MAX_GQA and query.dtype in DTYPE_DEFINES
             and window[0].dtype == window[1].dtype == query.dtype)
 
 
-def source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32) -> str:
+def source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32, key_bits: int = 4) -> str:
     """The translation unit of the partial and reduce kernels for query, window and output elements of
-    `dtype` and scales of `scale_dtype`."""
-    defines = f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n#define KVQ_SCALE_HALF {int(scale_dtype == torch.float16)}\n"
+    `dtype`, scales of `scale_dtype` and keys of `key_bits`."""
+    defines = (f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n#define KVQ_SCALE_HALF {int(scale_dtype == torch.float16)}\n"
+               f"#define KVQ_KEY_BITS {key_bits}\n")
     return defines + kernel_text("decode_primitives.cuh") + kernel_text("decode_attention.cu")
 
 
-@lru_cache(maxsize=8)
-def partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, device: torch.device) -> CudaLaunch:
-    return CudaLaunch.compile(source(dtype, scale_dtype), "kvq_decode_partial", device)
+@lru_cache(maxsize=16)
+def partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, key_bits: int, device: torch.device) -> CudaLaunch:
+    return CudaLaunch.compile(source(dtype, scale_dtype, key_bits), "kvq_decode_partial", device)
 
 
 @lru_cache(maxsize=8)

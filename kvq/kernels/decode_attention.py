@@ -132,7 +132,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     lengths_pointer = query if lengths is None else lengths  # unread without lengths
     cuda_partial = launch.partial == "cuda" and cuda_decode.partial_fits(query, keys, values, step.window)
     if cuda_partial:
-        resident = cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, query.device).resident_blocks
+        resident = cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, keys.bits, query.device).resident_blocks
     else:
         shape = (gqa, _padded_heads(gqa, keys.scales.shape[-1], values.scales.shape[-1]), d // 2, keys.bits,
                  values.bits, keys.scales.shape[-1], values.scales.shape[-1], launch.block)
@@ -153,7 +153,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
              *step.window, partial, maxima, sums, lengths_pointer],
             [n_packed, n_window, per_split, packed_splits, gqa, capacity, window_capacity], float(scale),
             lengths is not None)
-        cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, query.device)(
+        cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, keys.bits, query.device)(
             (batch * kv_heads, n_splits), [arguments], programmatic=pdl)
     else:
         columns = min(d, MAP_COLUMNS)

@@ -1,5 +1,5 @@
-// Split-K partials of fused int4 decode attention (kvq.kernels.decode_attention) for head_dim 128, int4
-// K and V with scale groups of 32, and up to 4 query heads per KV head: Open-TQ-Metal Alg. 1 with
+// Split-K partials of fused decode attention (kvq.kernels.decode_attention) for head_dim 128, int4 or int8 K
+// (KVQ_KEY_BITS) and int4 V with scale groups of 32, and up to 4 query heads per KV head: Open-TQ-Metal Alg. 1 with
 // FlashDecoding's split-K, in tensor-core fragments chosen so that packed codes become mma operands in
 // registers, with no layout change through shared memory (Triton's layouts rebuild V's and the query's
 // operands through shared memory and register moves on every tile).
@@ -17,7 +17,9 @@
 // 16-wide chunk, which are this lane's 16 code bytes of group c (one 16-byte load), converted nibble pair
 // by nibble pair; the query's fragments are permuted to the same coordinates once per program.
 // Codes enter biased (1032 + n low, 1152 + 16 n high, the high ones' query coordinates divided by 16) and
-// the accumulator starts at minus the query's product with the biases.
+// the accumulator starts at minus the query's product with the biases. Int8 keys: the lane's 32 code bytes of
+// group c (two 16-byte loads) enter byte by byte as fp16 1024 + (n ^ 0x80) = 1152 + n, each word's four bytes
+// (coordinates 4w .. 4w + 3) two k-pairs of one mma, the query in the codes' own order.
 //
 // Output, O^T = V^T P^T (dims as M): the score fragments are exactly P^T's B fragments (lane (r, c): head
 // r % 4, tokens 2c, 2c+1, 2c+8, 2c+9), columns 0-3 the heads under one V scale group, 4-7 under another,
@@ -33,6 +35,10 @@
 
 #define KVQ_D 128
 #define KVQ_ROW_BYTES 64                  // int4 codes of one token
+#ifndef KVQ_KEY_BITS
+#define KVQ_KEY_BITS 4
+#endif
+#define KVQ_KEY_ROW_BYTES (KVQ_D * KVQ_KEY_BITS / 8)
 #define KVQ_GROUPS 4                      // scale groups of 32 coordinates
 #define KVQ_HEADS 4                       // query rows per group in the fragments
 #define KVQ_TILE 16                       // tokens per warp step
@@ -40,7 +46,11 @@
 // Three programs per SM with four stages rather than four with three, now that every program maps its query:
 // a program fewer per SM reads the 32 KB map a quarter less often, and the registers it frees end the loop's
 // re-materialized addresses and constants.
+#if KVQ_KEY_BITS == 8
+#define KVQ_STAGES 3                      // int8 keys' stages are 1.4x larger: four would pass 48 KB
+#else
 #define KVQ_STAGES 4                      // tiles a warp keeps in flight + 1
+#endif
 #define KVQ_MIN_BLOCKS 3
 #define KVQ_CODES_BYTES (KVQ_TILE * KVQ_ROW_BYTES)
 #if KVQ_SCALE_HALF
@@ -50,8 +60,9 @@ typedef float kvq_scale;
 #endif
 #define KVQ_SCALE_ROW_BYTES (KVQ_GROUPS * (int)sizeof(kvq_scale))  // one token's
 #define KVQ_SCALES_BYTES (KVQ_TILE * KVQ_SCALE_ROW_BYTES)
-#define KVQ_V_AT KVQ_CODES_BYTES
-#define KVQ_KS_AT (2 * KVQ_CODES_BYTES)
+#define KVQ_KEY_CODES_BYTES (KVQ_TILE * KVQ_KEY_ROW_BYTES)
+#define KVQ_V_AT KVQ_KEY_CODES_BYTES
+#define KVQ_KS_AT (KVQ_V_AT + KVQ_CODES_BYTES)
 #define KVQ_VS_AT (KVQ_KS_AT + KVQ_SCALES_BYTES)
 #define KVQ_STAGE_BYTES (KVQ_VS_AT + KVQ_SCALES_BYTES)
 #define KVQ_LOG2E 1.4426950408889634f
@@ -76,10 +87,10 @@ __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned lon
     uint chunk = lane % 4;
     plan.token = lane / 4;
     plan.scale_token = lane % KVQ_TILE;
-    plan.key = key_codes + (first_token + plan.token) * KVQ_ROW_BYTES + 16 * chunk;
+    plan.key = key_codes + (first_token + plan.token) * KVQ_KEY_ROW_BYTES + 16 * chunk;
     plan.value = value_codes + (first_token + plan.token) * KVQ_ROW_BYTES + 16 * chunk;
     plan.scales = (lane < KVQ_TILE ? key_scales : value_scales) + (first_token + plan.scale_token) * KVQ_GROUPS;
-    plan.key_at = plan.token * KVQ_ROW_BYTES + 16 * chunk;
+    plan.key_at = plan.token * KVQ_KEY_ROW_BYTES + 16 * chunk;
     plan.value_at = KVQ_V_AT + kvq_v_row(plan.token) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token, chunk);
     plan.value_next_at = KVQ_V_AT + kvq_v_row(plan.token + 8) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token + 8, chunk);
     plan.scale_at = (lane < KVQ_TILE ? KVQ_KS_AT : KVQ_VS_AT) + plan.scale_token * KVQ_SCALE_ROW_BYTES;
@@ -87,6 +98,8 @@ __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned lon
 }
 
 #define KVQ_NEXT_ROWS (8 * KVQ_ROW_BYTES)  // from a lane's token to token + 8
+#define KVQ_NEXT_KEY_ROWS (8 * KVQ_KEY_ROW_BYTES)
+#define KVQ_KEY_HALF_ROW 64               // int8 keys: a lane's second chunk of each row, 4 chunks on
 
 // Where the lane's copies of the warp's i-th tile come from.
 struct kvq_tile_sources {
@@ -97,7 +110,7 @@ struct kvq_tile_sources {
 
 __device__ __forceinline__ kvq_tile_sources kvq_sources(const kvq_copy_plan& plan, uint i) {
     unsigned long long step = (unsigned long long)i * KVQ_WARPS * KVQ_TILE;
-    return {plan.key + step * KVQ_ROW_BYTES, plan.value + step * KVQ_ROW_BYTES, plan.scales + step * KVQ_GROUPS};
+    return {plan.key + step * KVQ_KEY_ROW_BYTES, plan.value + step * KVQ_ROW_BYTES, plan.scales + step * KVQ_GROUPS};
 }
 
 // Issues the copies of the warp's i-th tile (its first token `t0`; tokens from `end` on are zero-filled,
@@ -108,10 +121,16 @@ __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint s
     const kvq_scale* scales = from.scales;
     bool valid = t0 + plan.token < end, next_valid = t0 + plan.token + 8 < end;
     bool scale_valid = t0 + plan.scale_token < end;
-    const uint next = KVQ_NEXT_ROWS;
-    kvq_copy16(stage + plan.key_at, valid ? key : key - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
-    kvq_copy16(stage + plan.key_at + next, next_valid ? key + next : key - plan.token * KVQ_ROW_BYTES,
+    const uint next = KVQ_NEXT_ROWS, next_key = KVQ_NEXT_KEY_ROWS;
+    const uchar* first_key = key - plan.token * KVQ_KEY_ROW_BYTES;
+    kvq_copy16(stage + plan.key_at, valid ? key : first_key, valid ? 16 : 0);
+    kvq_copy16(stage + plan.key_at + next_key, next_valid ? key + next_key : first_key, next_valid ? 16 : 0);
+#if KVQ_KEY_BITS == 8
+    const uint half = KVQ_KEY_HALF_ROW;
+    kvq_copy16(stage + plan.key_at + half, valid ? key + half : first_key, valid ? 16 : 0);
+    kvq_copy16(stage + plan.key_at + next_key + half, next_valid ? key + next_key + half : first_key,
                next_valid ? 16 : 0);
+#endif
     kvq_copy16(stage + plan.value_at, valid ? value : value - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
     kvq_copy16(stage + plan.value_next_at, next_valid ? value + next : value - plan.token * KVQ_ROW_BYTES,
                next_valid ? 16 : 0);
@@ -127,7 +146,12 @@ __device__ __forceinline__ void kvq_copy16_whole(uint shared, const void* global
 __device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, uint stage, uint i) {
     kvq_tile_sources from = kvq_sources(plan, i);
     kvq_copy16_whole(stage + plan.key_at, from.key);
-    kvq_copy16_whole(stage + plan.key_at + KVQ_NEXT_ROWS, from.key + KVQ_NEXT_ROWS);
+    kvq_copy16_whole(stage + plan.key_at + KVQ_NEXT_KEY_ROWS, from.key + KVQ_NEXT_KEY_ROWS);
+#if KVQ_KEY_BITS == 8
+    kvq_copy16_whole(stage + plan.key_at + KVQ_KEY_HALF_ROW, from.key + KVQ_KEY_HALF_ROW);
+    kvq_copy16_whole(stage + plan.key_at + KVQ_NEXT_KEY_ROWS + KVQ_KEY_HALF_ROW,
+                     from.key + KVQ_NEXT_KEY_ROWS + KVQ_KEY_HALF_ROW);
+#endif
     kvq_copy16_whole(stage + plan.value_at, from.value);
     kvq_copy16_whole(stage + plan.value_next_at, from.value + KVQ_NEXT_ROWS);
 #if KVQ_SCALE_HALF
@@ -247,11 +271,19 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
     float bias = 0.0f;
 #pragma unroll
     for (uint chunk = 0; chunk < 8; ++chunk) {
+#if KVQ_KEY_BITS == 8
+        // chunk w: coordinates 4w, 4w + 1 (low) and 4w + 2, 4w + 3 (high), each code 1152 + n
+        float4 coords = live ? *(const float4*)(q + 4 * chunk) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        q_low[chunk] = kvq_half2(coords.x * q_scale, coords.y * q_scale);
+        q_high[chunk] = kvq_half2(coords.z * q_scale, coords.w * q_scale);
+        bias += 1152.0f * (kvq_half2_sum(q_low[chunk]) + kvq_half2_sum(q_high[chunk]));
+#else
         uint at = 8 * (chunk / 2) + 4 * (chunk % 2);
         float4 coords = live ? *(const float4*)(q + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         q_low[chunk] = kvq_half2(coords.x * q_scale, coords.z * q_scale);
         q_high[chunk] = kvq_half2(coords.y * q_scale * 0.0625f, coords.w * q_scale * 0.0625f);
         bias += 1032.0f * kvq_half2_sum(q_low[chunk]) + 1152.0f * kvq_half2_sum(q_high[chunk]);
+#endif
     }
     uint zero = 0, own_row = c % 2;
     uint q_frag[8][4];
@@ -296,10 +328,23 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
         float s[2][4];
 #pragma unroll
         for (uint n = 0; n < 2; ++n) {
-            uint4 codes = *(const uint4*)(tile + (8 * n + r) * KVQ_ROW_BYTES + 16 * c);
-            uint words[4] = {codes.x, codes.y, codes.z, codes.w};
             s[n][0] = s[n][1] = bias_row;
             s[n][2] = s[n][3] = bias_next_row;
+#if KVQ_KEY_BITS == 8
+            // group c's 32 code bytes, 32 c .. 32 c + 31 of the row
+            const uchar* key_row = tile + (8 * n + r) * KVQ_KEY_ROW_BYTES;
+            uint4 front_codes = *(const uint4*)(key_row + 32 * c), back_codes = *(const uint4*)(key_row + 32 * c + 16);
+            uint words[8] = {front_codes.x, front_codes.y, front_codes.z, front_codes.w,
+                             back_codes.x, back_codes.y, back_codes.z, back_codes.w};
+#pragma unroll
+            for (uint w = 0; w < 8; ++w) {
+                uint biased = words[w] ^ 0x80808080u;
+                kvq_mma(s[n], q_frag[w][0], q_frag[w][1], q_frag[w][2], q_frag[w][3],
+                        kvq_prmt(biased, 0x64646464u, 0x5150), kvq_prmt(biased, 0x64646464u, 0x5352));
+            }
+#else
+            uint4 codes = *(const uint4*)(tile + (8 * n + r) * KVQ_ROW_BYTES + 16 * c);
+            uint words[4] = {codes.x, codes.y, codes.z, codes.w};
 #pragma unroll
             for (uint w = 0; w < 4; ++w) {
                 uint front = kvq_prmt(words[w], 0, 0x4140), back = kvq_prmt(words[w], 0, 0x4342);
@@ -308,6 +353,7 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
                 kvq_mma(s[n], q_frag[2 * w + 1][0], q_frag[2 * w + 1][1], q_frag[2 * w + 1][2], q_frag[2 * w + 1][3],
                         kvq_biased_low(back), kvq_biased_high(back));
             }
+#endif
         }
         // lane (r, c): head r % 4 at tokens 2c, 2c+1 (n-tile 0) and 8 + 2c, 9 + 2c (n-tile 1)
         float score[4], tile_max = KVQ_NEG_INF;
