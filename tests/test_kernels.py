@@ -34,9 +34,9 @@ TIE_WINDOW = 1e-3  # |frac(y / scale)| this close to 0.5 counts as a rounding ti
 
 
 def quantizer(rotation="srft", d=128, bits=4, granularity="per_token", group=32, lam=False, seed=0,
-              scales="float32"):
+              scales="float32", symmetric=True):
     lam_vector = torch.rand(d, generator=torch.Generator().manual_seed(seed)) + 0.25 if lam else None
-    inner = ScalarQuantizer(bits, granularity, group, scale_dtype=scales)
+    inner = ScalarQuantizer(bits, granularity, group, symmetric, scale_dtype=scales)
     return RotatedQuantizer(ROTATIONS[rotation](d, seed), inner, lam_vector)
 
 
@@ -136,15 +136,23 @@ def test_resident_programs_follow_an_h100_sms_limits(registers, shared, warps, e
     assert resident_programs(registers, shared, warps, shared_per_sm=233472, threads_per_sm=2048) == expected
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("rotation", ["identity", "srht", "srft"])
-@pytest.mark.parametrize("granularity, bits", [("per_token", 4), ("per_group", 4), ("per_group", 2), ("per_group", 8)])
-def test_cpu_ops_are_the_quantizers_own_arithmetic(rotation, granularity, bits):
-    q = quantizer(rotation, 64, bits, granularity, 16, lam=True)
+@pytest.mark.parametrize("granularity, bits", [("per_token", 4), ("per_group", 4), ("per_group", 2), ("per_group", 3),
+                                               ("per_group", 8)])
+def test_cpu_ops_are_the_quantizers_own_arithmetic(rotation, granularity, bits, symmetric):
+    q = quantizer(rotation, 64, bits, granularity, 16, lam=True, scales="float16", symmetric=symmetric)
+    assert q.packed_form().layout.stats == (1 if granularity == "per_token" else 4) * (1 if symmetric else 2)
     x = torch.randn(2, 3, 10, 64)
     packed, expected = ops.encode(q, x), q.encode(x)
     assert torch.equal(packed.inner.codes, expected.inner.codes)
     assert torch.equal(packed.inner.scale.reshape(expected.inner.scale.shape), expected.inner.scale)
+    if symmetric:
+        assert packed.inner.offset is None and expected.inner.offset is None
+    else:
+        assert torch.equal(packed.inner.offset.reshape(expected.inner.offset.shape), expected.inner.offset)
     assert torch.equal(ops.decode(q, packed), q.decode(expected))
+    assert packed.storage_bits() == expected.storage_bits()
 
 
 def test_learned_rotations_take_the_reference_through_their_matrix():
@@ -154,15 +162,17 @@ def test_learned_rotations_take_the_reference_through_their_matrix():
     torch.testing.assert_close(ops.decode(learned, ops.encode(learned, x)), learned(x), atol=1e-5, rtol=0)
 
 
-def test_ops_are_custom_ops_that_compile_without_graph_breaks():
-    q = quantizer("srft", 64, 4, "per_group", 16, lam=True)
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
+def test_ops_are_custom_ops_that_compile_without_graph_breaks(symmetric):
+    q = quantizer("srft", 64, 4, "per_group", 16, lam=True, symmetric=symmetric)
     form = q.packed_form()
     rows = torch.randn(6, 64)
     codes, scales = ops.quantize(rows, form)
-    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.signs, form.lam, 4, 16, torch.float32, "srft"))
+    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.signs, form.lam, 4, 16, torch.float32,
+                                                           symmetric, "srft"))
     torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scales, form.signs, form.lam, 4, torch.float32,
-                                                             "srft"))
-    keys, values = (random_packed(1, 2, 9, 64, 4, 16, "cpu") for _ in range(2))
+                                                             symmetric, "srft"))
+    keys, values = (random_packed(1, 2, 9, 64, 4, 16, "cpu", symmetric=symmetric) for _ in range(2))
     window = torch.randn(1, 2, 3, 64)
     step = DecodeStep(keys, values, (window, window), form.matrix.T, form.matrix)
     query = torch.randn(1, 4, 64)
@@ -360,10 +370,35 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
     (1, 4, 2, 128, 1, 16, 8, 4, 32, torch.float32, torch.float32),
 ])
 def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, key_bits,
-                                                      value_bits, group, dtype, scales, monkeypatch):
+                                                      value_bits, group, dtype, scales):
+    _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window, (key_bits, True),
+                            (value_bits, True), group, dtype, scales)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, keys, values, group, dtype, scales", [
+    # (bits, symmetric) of K and of V: unsigned codes with offsets (an asymmetric layout's) on either side
+    (1, 32, 8, 128, 32768, 8, (4, False), (4, False), 32, torch.float16, torch.float16),
+    (2, 16, 4, 128, 3001, 16, (8, False), (4, False), 32, torch.float16, torch.float32),
+    (1, 12, 4, 128, 777, 0, (4, True), (4, False), 32, torch.bfloat16, torch.float16),
+    (3, 9, 3, 64, 517, 16, (4, False), (8, True), 16, torch.float32, torch.float32),
+    (2, 8, 8, 64, 100, 0, (8, False), (8, False), 64, torch.float32, torch.float16),
+    (1, 4, 1, 256, 3000, 15, (4, False), (4, False), 256, torch.float32, torch.float32),
+    (1, 14, 2, 64, 1, 1, (4, False), (4, True), 32, torch.float32, torch.float32),
+])
+def test_decode_attention_with_offsets_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens, window, keys,
+                                                                   values, group, dtype, scales):
+    """Asymmetric layouts run in the Triton partial whichever partial the launch asks for."""
+    _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, keys, values, group, dtype, scales)
+
+
+def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window, key_form, value_form, group, dtype,
+                            scales):
+    (key_bits, key_symmetric), (value_bits, value_symmetric) = key_form, value_form
     generator = torch.Generator().manual_seed(tokens)
-    keys = random_packed(batch, kv_heads, tokens, d, key_bits, group, "cuda", generator, scales)
-    values = random_packed(batch, kv_heads, tokens, d, value_bits, group, "cuda", generator, scales)
+    keys = random_packed(batch, kv_heads, tokens, d, key_bits, group, "cuda", generator, scales, key_symmetric)
+    values = random_packed(batch, kv_heads, tokens, d, value_bits, group, "cuda", generator, scales, value_symmetric)
     window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).to("cuda", dtype)
     window = (window_buffer[0, :, :, :window], window_buffer[1, :, :, :window])
     query = torch.randn(batch, q_heads, d, generator=generator).to("cuda", dtype)
@@ -371,7 +406,8 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     step = DecodeStep(keys, values, window, (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda())
     launch = LaunchConfig(partial=partial)
     if partial == "cuda" and d == 128 and value_bits == 4 and group == 32 and q_heads // kv_heads <= 4:
-        assert cuda_decode.partial_fits(query, keys, values, window)  # int4 and int8 keys alike
+        # int4 and int8 keys alike; offsets take the Triton partial
+        assert cuda_decode.partial_fits(query, keys, values, window) == (key_symmetric and value_symmetric)
     got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
                                                                                                       d ** -0.5)
     # the second call goes through the compiled kernels' own launchers
@@ -380,7 +416,8 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
         assert torch.equal(ops.decode_attention(query, step, d ** -0.5), got)
     error = (got.float() - expected.float()).abs().max().item()
     print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window[0].shape[2]} "
-          f"K{key_bits}/V{value_bits} g={group} {dtype} {scales} scales: max abs {error:.2e}")
+          f"K{key_bits}{'' if key_symmetric else 'a'}/V{value_bits}{'' if value_symmetric else 'a'} g={group} "
+          f"{dtype} {scales} scales: max abs {error:.2e}")
     # fp16 and bf16 outputs are both rounded to the query's dtype: up to an ulp apart on top of the kernel's
     # own error; fp32 keeps the bare bound
     rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps * expected.float().abs().max().item()

@@ -96,7 +96,11 @@ def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
     return (masks - (masks >> 31 << 32)).to(torch.int32)  # bit 31 set: the int32 with that bit pattern
 
 
-def packed_codes(codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype) -> RotatedPacked:
-    """Kernel-layout codes (..., bytes) and scales (..., groups) of rows of `dtype` as the reference quantizers'
-    packed dataclass, so the reference can check and decode them."""
-    return RotatedPacked(ScalarPacked(codes, scales.unsqueeze(-1), None, None, tuple(shape), torch.float32), dtype)
+def packed_codes(codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype,
+                 symmetric: bool = True) -> RotatedPacked:
+    """Kernel-layout codes (..., bytes) and scales (..., groups), followed by as many offsets where not
+    `symmetric`, of rows of `dtype` as the reference quantizers' packed dataclass, so the reference can check and
+    decode them."""
+    scale, offset = (scales, None) if symmetric else scales.chunk(2, dim=-1)
+    return RotatedPacked(ScalarPacked(codes, scale.unsqueeze(-1), None if offset is None else offset.unsqueeze(-1),
+                                      None, tuple(shape), torch.float32), dtype)
