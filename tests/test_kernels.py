@@ -203,6 +203,7 @@ struct bfloat2 { float v[2]; bfloat2(float a, float b) : v{a, b} {} };
 namespace metal {
 template <typename T, typename U> T as_type(U);
 inline float max(float a, float b) { return a > b ? a : b; }
+inline float min(float a, float b) { return a < b ? a : b; }
 inline float fabs(float x) { return x < 0 ? -x : x; }
 inline float fma(float a, float b, float c) { return a * b + c; }
 namespace precise { float sqrt(float); }
@@ -211,11 +212,12 @@ namespace precise { float sqrt(float); }
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to parse the Metal source")
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("rotation", ["identity", "srht", "srft"])
 @pytest.mark.parametrize("in_dtype, out_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16)])
-def test_metal_translation_unit_parses_with_the_shared_body(tmp_path, rotation, in_dtype, out_dtype):
+def test_metal_translation_unit_parses_with_the_shared_body(tmp_path, rotation, in_dtype, out_dtype, symmetric):
     (tmp_path / "metal_stdlib").write_text(_MetalStub.HEADER)
-    defines = dict(kernel_defines(layout(quantizer(rotation, 128, 4, "per_group", 32))))
+    defines = dict(kernel_defines(layout(quantizer(rotation, 128, 4, "per_group", 32, symmetric=symmetric))))
     source = translation_unit("metal", defines, in_dtype, out_dtype)
     assert kernel_text("quant_body.h") in source
     unit = tmp_path / "unit.cpp"
@@ -255,6 +257,38 @@ CASES = [
 ]
 
 
+def _assert_asymmetric_matches_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch.Tensor,
+                                         stats: torch.Tensor, label: str) -> None:
+    """Unsigned codes and per-group scales then offsets (stats (n, 2 groups)): each statistic within 1e-6 of its
+    vector's largest magnitude of the reference's (float32), or one fp16 step of the reference's own (fp16); the
+    codes the reference's rounding of (y - offset) / scale with the kernel's statistics, but at round-half ties
+    (counted)."""
+    expected = q.encode(x).inner
+    scale, offset = (stat.unsqueeze(-1) for stat in stats.chunk(2, dim=-1))
+    assert stats.dtype == expected.scale.dtype == q.inner.scale_dtype
+    for got, want in ((scale, expected.scale), (offset, expected.offset)):
+        assert got.shape == want.shape
+        if got.dtype == torch.float32:
+            vector_max = (expected.offset.abs() + expected.scale * q.inner.qmax).amax(dim=(-2, -1), keepdim=True)
+            assert ((got - want).abs() <= 1e-6 * vector_max).all()
+        else:
+            step = torch.maximum(want.float().abs() * 2.0 ** -10, torch.tensor(2.0 ** -24))
+            assert ((got.float() - want.float()).abs() <= step).all()
+    bits, d = q.inner.bits, x.shape[-1]
+    y = q.rotation.forward(x.float())
+    if q.lam is not None:
+        y = y * q.packed_form().on(x.device).lam
+    groups = scale.shape[-2]
+    pre_round = ((y.reshape(*y.shape[:-1], groups, -1) - offset.float()) / scale.float()).reshape(y.shape)
+    ref_codes = torch.round(pre_round).clamp(0, q.inner.qmax).to(torch.int16)
+    codes = unpack(codes, bits, d, signed=False)
+    differ = codes != ref_codes
+    ties = (pre_round.abs().frac() - 0.5).abs() < TIE_WINDOW
+    print(f"{label}: {int(differ.sum())} of {differ.numel()} codes differ, all at round-half ties")
+    assert not (differ & ~ties).any()
+    assert (codes - ref_codes).abs().max() <= 1
+
+
 def _assert_matches_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                               label: str) -> None:
     """Codes equal the reference's except at round-half ties (counted); float32 scales within 1e-6, fp16 scales
@@ -287,10 +321,20 @@ def _assert_matches_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch
     assert (codes - ref_codes).abs().max() <= 1
 
 
-def _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, device):
-    q = quantizer(rotation, d, bits, granularity, group, lam, seed=n, scales=scales)
+def _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, device, symmetric=True):
+    q = quantizer(rotation, d, bits, granularity, group, lam, seed=n, scales=scales, symmetric=symmetric)
     x = (torch.randn(n, d, generator=torch.Generator().manual_seed(n)) * 3).to(device, dtype)
-    return q, x, f"{rotation} d={d} int{bits} {granularity} g={group} lam={lam} {dtype} {scales} scales"
+    codes = f"int{bits}" if symmetric else f"uint{bits} with offsets"
+    return q, x, f"{rotation} d={d} {codes} {granularity} g={group} lam={lam} {dtype} {scales} scales"
+
+
+def _assert_stats_match_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch.Tensor, stats: torch.Tensor,
+                                  label: str) -> None:
+    """stats: (n, groups) scales, or scales then offsets for asymmetric codes."""
+    if q.inner.symmetric:
+        _assert_matches_reference(q, x, codes, stats.unsqueeze(-1), label)
+    else:
+        _assert_asymmetric_matches_reference(q, x, codes, stats, label)
 
 
 class _HostBackend(KernelBackend):
@@ -310,28 +354,33 @@ class _HostBackend(KernelBackend):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel body for the host")
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n, scales", CASES)
 def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, bits, granularity, group, lam, dtype,
-                                                        n, scales):
-    q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), scales, "cpu")
+                                                        n, scales, symmetric):
+    q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), scales, "cpu",
+                        symmetric)
     form = q.packed_form()
     backend = _HostBackend(form.layout, tmp_path)
     constants = kernel_constants(form.signs, form.lam)
-    codes, scales = backend.quantize(form.layout, constants, x)
-    _assert_matches_reference(q, x, codes, scales.unsqueeze(-1), "host " + label)
-    decoded = backend.dequantize(form.layout, constants, codes, scales, torch.float32)
-    packed = packed_codes(codes, scales, x.shape, torch.float32)
+    codes, stats = backend.quantize(form.layout, constants, x)
+    _assert_stats_match_reference(q, x, codes, stats, "host " + label)
+    decoded = backend.dequantize(form.layout, constants, codes, stats, torch.float32)
+    packed = packed_codes(codes, stats, x.shape, torch.float32, symmetric)
     torch.testing.assert_close(decoded, q.decode(packed), atol=1e-5 * x.abs().max(), rtol=0)
 
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n, scales", CASES)
-def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n, scales):
-    q, x, label = _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, "cuda")
-    packed = ops.encode(q, x)
+def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n, scales,
+                                               symmetric):
+    q, x, label = _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, "cuda", symmetric)
+    codes, stats = ops.quantize(x, q.packed_form())
     assert unsupported_reason(layout(q)) is None
-    _assert_matches_reference(q, x, packed.inner.codes, packed.inner.scale, label)
+    _assert_stats_match_reference(q, x, codes, stats, label)
+    packed = ops.encode(q, x)
     # the inverse kernel reconstructs what the reference decode gives from the same packing
     out = ops.decode(q, packed)
     assert out.dtype == dtype and out.shape == x.shape
@@ -435,4 +484,4 @@ def test_layouts_without_a_kernel_take_the_reference_and_say_why_once(caplog):
     assert torch.equal(packed.inner.codes.cpu(), q.encode(x.cpu()).inner.codes)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvq::quantize")]
     assert len(said) == 1 and str(layout(q)) in said[0]
-    assert said[0].endswith("kernels need symmetric int4/int8 codes with float32 or float16 scales")
+    assert said[0].endswith("kernels need int4/int8 codes with float32 or float16 scales")

@@ -170,11 +170,9 @@ def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():
 def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(batch, chunk, policy):
     """generate compiles the decode step of a compileable cache (CUDA graphs over the static buffers), and with
     prefill_chunk_size each prefill chunk too; its greedy tokens equal those of the same cache run eagerly, over
-    64 steps. Asymmetric codes are written by the reference quantize, captured in the graphs too: under SRHT, as
-    the reference's SRFT runs cuFFT, whose captured transforms need not round as the eager ones do."""
+    64 steps, under a policy of symmetric or asymmetric codes."""
     model = tiny("llama").to("cuda").half()
-    rotation = "srht" if policy.startswith("asymmetric") else "srft"
-    bank = QuantizerBank(QuantSpec(rotation, 4, "per_group", 16), kv_geometry(model.config), policy=POLICIES[policy])
+    bank = bank_for(model, policy=POLICIES[policy])
     generator = torch.Generator().manual_seed(4)
     prompt = torch.randint(1, 101, (batch, 24), generator=generator).cuda()
     runs = {}
