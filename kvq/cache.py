@@ -22,7 +22,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvq import ops
-from kvq.apply import QuantizerBank, attention_modules
+from kvq.apply import QuantizerBank
+from kvq.projections import attention_modules
 from kvq.attention import FUSED_ATTENTION, switch_attention
 from kvq.errors import KvqError
 from kvq.quant.base import Packed
