@@ -18,6 +18,7 @@ from kvq.attention import SCORE_ATTENTION, WINDOW_ATTENTION, switch_attention, u
 from kvq.center import MEAN_BITS, KeyCenter, check_center
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
+from kvq.projections import attention_modules, merge_heads, split_heads
 from kvq.protocol import MODES, Protocol
 from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
 from kvq.quant.exact import Exact
@@ -126,25 +127,17 @@ class QuantizerBank:
         return bits / elements if elements else None
 
 
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    found = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "layer_idx")]
-    if not found:
-        raise KvqError(f"{type(model).__name__} has no attention modules with k_proj/v_proj; hook mode needs them")
-    return found
-
-
 def _projection_hook(bank: QuantizerBank, layer: int, role: str) -> Callable:
     quantizer, head_dim = bank.get(layer, role), bank.geometry.head_dim
     centered = role == "k" and bank.center is not None and layer in bank.center.offsets
 
     def hook(_module, _inputs, output):
-        batch, tokens, width = output.shape
-        heads = output.view(batch, tokens, width // head_dim, head_dim).transpose(1, 2)
+        heads = split_heads(output, head_dim)
         if centered:  # k_proj's output is pre-RoPE: the offset as it is
             heads = bank.center.roundtrip(layer, heads, lambda x: ops.roundtrip(quantizer, x), rotated=False)
         else:
             heads = ops.roundtrip(quantizer, heads)
-        return heads.transpose(1, 2).reshape(batch, tokens, width).to(output.dtype)
+        return merge_heads(heads).to(output.dtype)
 
     return hook
 

@@ -22,7 +22,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvq import ops
-from kvq.apply import QuantizerBank, attention_modules
+from kvq.apply import QuantizerBank
+from kvq.projections import attention_modules
 from kvq.attention import FUSED_ATTENTION, switch_attention
 from kvq.errors import KvqError
 from kvq.quant.base import Packed
@@ -108,7 +109,7 @@ class QuantizedLayer(WindowedLayer):
 
 
 class PackedStore:
-    """One role's codes (B, H, capacity, bytes) and scales (B, H, capacity, groups) in a PackedLayout.
+    """One role's codes (B, H, capacity, bytes) and stats (B, H, capacity, layout.stats) in a PackedLayout.
 
     Capacity grows geometrically, so appends cost amortized O(new tokens), but by only 1/16 so held
     memory stays within 6.25% of what the codes need (int4 g32 keeps its ~3.2x over fp16). The first
@@ -127,8 +128,8 @@ class PackedStore:
         # whole capacity (decode graphs take it); the first `length` rows are filled
         self.buffers = ops.PackedKV(
             torch.empty(*lead_shape, 0, layout.code_bytes, dtype=torch.uint8, device=device),
-            torch.empty(*lead_shape, 0, layout.groups, dtype=layout.scale_dtype, device=device),
-            layout.bits, layout.head_dim)
+            torch.empty(*lead_shape, 0, layout.stats, dtype=layout.scale_dtype, device=device),
+            layout.bits, layout.head_dim, layout.symmetric)
         self.length = 0
 
     @staticmethod
@@ -144,7 +145,7 @@ class PackedStore:
             capacity = end + self.MIN_GROWTH if not held else max(end, int(self.GROWTH * held), held + self.MIN_GROWTH)
             self.buffers = ops.PackedKV(self._grown(self.buffers.codes, capacity, self.length),
                                         self._grown(self.buffers.scales, capacity, self.length), self.buffers.bits,
-                                        self.buffers.head_dim)
+                                        self.buffers.head_dim, self.buffers.symmetric)
         self.buffers.codes.narrow(-2, self.length, end - self.length).copy_(codes)
         self.buffers.scales.narrow(-2, self.length, end - self.length).copy_(scales)
         self.length = end
@@ -245,7 +246,8 @@ class FusedLayer(WindowedLayer):
                 chunk = pending[role][..., :flush, :]
                 codes, scales = ops.quantize(chunk, self.forms[role])
                 self.stores[role].append(codes, scales)
-                self.quantizers[role].meter(ops.packed_codes(codes, scales, chunk.shape, chunk.dtype), chunk.numel())
+                self.quantizers[role].meter(ops.packed_codes(codes, scales, chunk.shape, chunk.dtype,
+                                                             self.forms[role].layout.symmetric), chunk.numel())
             if total > flush:
                 self._write_window(0, pending["k"][..., flush:, :], pending["v"][..., flush:, :])
         self.count = total - flush

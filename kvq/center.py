@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from kvq.errors import KvqError
+from kvq.projections import attention_by_layer, split_heads
 
 CENTERS = ("none", "bias", "mean")
 MEAN_BITS = 16  # a stored mean is fp16
@@ -31,10 +32,6 @@ def check_center(center: str) -> str:
     if center not in CENTERS:
         raise KvqError(f"center must be one of {', '.join(CENTERS)}, got {center!r}")
     return center
-
-
-def attention_by_layer(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    return {m.layer_idx: m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")}
 
 
 def bias_reason(attention: torch.nn.Module) -> str | None:
@@ -170,9 +167,7 @@ def mean_offsets(model: torch.nn.Module, layers: list[int], head_dim: int, windo
 
     def record(layer):
         def hook(_module, _inputs, output):
-            batch, tokens, width = output.shape
-            _accumulate(sums, counts, layer,
-                        output.float().view(batch, tokens, width // head_dim, head_dim).transpose(1, 2))
+            _accumulate(sums, counts, layer, split_heads(output.float(), head_dim))
         return hook
 
     handles = ([attention[layer].k_proj.register_forward_hook(record(layer)) for layer in layers]

@@ -5,7 +5,8 @@ import torch
 from kvq import models
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.calibrate import load_learned
-from kvq.center import MEAN_BITS, KeyCenter, attention_by_layer, bias_offsets, bias_reason, mean_offsets
+from kvq.center import MEAN_BITS, KeyCenter, bias_offsets, bias_reason, mean_offsets
+from kvq.projections import attention_by_layer
 from kvq.data import DataSpec, token_windows
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy

@@ -20,7 +20,7 @@ from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, d
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
 from kvq.quant.rotated import RotatedPacked
-from kvq.quant.scalar import SCALE_DTYPES, ScalarPacked, ScalarQuantizer
+from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
 from kvq.rotations import MatrixRotation, Rotation, signed_rotation
 
 if TYPE_CHECKING:
@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 
 
-def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, rotation_kind: str) -> PackedLayout:
-    return PackedLayout(head_dim, bits, group_size, scale_dtype, True, rotation_kind)
+def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, symmetric: bool,
+            rotation_kind: str) -> PackedLayout:
+    return PackedLayout(head_dim, bits, group_size, scale_dtype, symmetric, rotation_kind)
 
 
 def _rotation(rotation: torch.Tensor, kind: str) -> Rotation:
@@ -39,64 +40,70 @@ def _rotation(rotation: torch.Tensor, kind: str) -> Rotation:
 
 
 def _scalar(layout: PackedLayout) -> ScalarQuantizer:
-    return ScalarQuantizer(layout.bits, "per_group", layout.group_size, True, SCALE_DTYPE_NAMES[layout.scale_dtype])
+    return ScalarQuantizer(layout.bits, "per_group", layout.group_size, layout.symmetric,
+                           SCALE_DTYPE_NAMES[layout.scale_dtype])
 
 
 def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
                        layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """RotatedQuantizer.encode's arithmetic on (n, d) rows. rotation: the signs (d,) of a signed rotation
-    kind, else its matrix (d, d)."""
+    """RotatedQuantizer.encode's arithmetic on (n, d) rows -> codes and stats (scales, then any offsets).
+    rotation: the signs (d,) of a signed rotation kind, else its matrix (d, d)."""
     y = _rotation(rotation, layout.rotation).forward(rows.float())
     if lam is not None:
         y = y * lam.float()
     packed = _scalar(layout).encode(y)
-    return packed.codes, packed.scale.reshape(rows.shape[0], layout.groups)
+    stats = [packed.scale] if layout.symmetric else [packed.scale, packed.offset]
+    return packed.codes, torch.cat([s.reshape(rows.shape[0], layout.groups) for s in stats], dim=-1)
 
 
 def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor,
                          lam: torch.Tensor | None, layout: PackedLayout, dtype: torch.dtype) -> torch.Tensor:
     """RotatedQuantizer.decode's arithmetic, in `dtype`."""
-    inner = ScalarPacked(codes, scales.unsqueeze(-1), None, None, (codes.shape[0], layout.head_dim), torch.float32)
+    inner = packed_codes(codes, scales, (codes.shape[0], layout.head_dim), dtype, layout.symmetric).inner
     y = _scalar(layout).decode(inner).float()
     if lam is not None:
         y = y / lam.float()
     return _rotation(rotation, layout.rotation).inverse(y).to(dtype)
 
 
-def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, rotation_kind: str) -> PackedLayout:
+def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, symmetric: bool,
+                    rotation_kind: str) -> PackedLayout:
     d = codes.shape[-1] * 8 // bits
-    return _layout(d, bits, d // scales.shape[-1], scales.dtype, rotation_kind)
+    groups = scales.shape[-1] if symmetric else scales.shape[-1] // 2
+    return _layout(d, bits, d // groups, scales.dtype, symmetric, rotation_kind)
 
 
 @torch.library.custom_op("kvq::quantize", mutates_args=())
 def _quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, bits: int, group_size: int,
-              scale_dtype: torch.dtype, rotation_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, d) rows -> codes (n, d * bits / 8) uint8 and scales (n, d / group_size)."""
-    return reference_quantize(rows, rotation, lam, _layout(rows.shape[-1], bits, group_size, scale_dtype,
+              scale_dtype: torch.dtype, symmetric: bool, rotation_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) rows -> codes (n, d * bits / 8) uint8 and stats (n, layout.stats): d / group_size scales, then as
+    many offsets where not `symmetric`."""
+    return reference_quantize(rows, rotation, lam, _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric,
                                                            rotation_kind))
 
 
 @_quantize.register_fake
-def _(rows, rotation, lam, bits, group_size, scale_dtype, rotation_kind):
+def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind):
     n, d = rows.shape
-    return rows.new_empty(n, d * bits // 8, dtype=torch.uint8), rows.new_empty(n, d // group_size, dtype=scale_dtype)
+    layout = _layout(d, bits, group_size, scale_dtype, symmetric, rotation_kind)
+    return rows.new_empty(n, layout.code_bytes, dtype=torch.uint8), rows.new_empty(n, layout.stats, dtype=scale_dtype)
 
 
 @torch.library.custom_op("kvq::dequantize", mutates_args=())
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
-                bits: int, dtype: torch.dtype, rotation_kind: str) -> torch.Tensor:
-    """codes (n, d * bits / 8) and scales (n, groups) -> rows (n, d) of `dtype`."""
-    return reference_dequantize(codes, scales, rotation, lam, _decoded_layout(codes, scales, bits, rotation_kind),
-                                dtype)
+                bits: int, dtype: torch.dtype, symmetric: bool, rotation_kind: str) -> torch.Tensor:
+    """codes (n, d * bits / 8) and stats (n, layout.stats) -> rows (n, d) of `dtype`."""
+    return reference_dequantize(codes, scales, rotation, lam,
+                                _decoded_layout(codes, scales, bits, symmetric, rotation_kind), dtype)
 
 
 @_dequantize.register_fake
-def _(codes, scales, rotation, lam, bits, dtype, rotation_kind):
+def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind):
     return codes.new_empty(codes.shape[0], codes.shape[-1] * 8 // bits, dtype=dtype)
 
 
-def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, rotation_kind):
-    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, rotation_kind)
+def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind):
+    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind)
     reason = unsupported_reason(layout)
     if reason is not None:
         note_fallback("kvq::quantize", layout, reason)
@@ -104,8 +111,8 @@ def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, rotatio
     return backend_for(rows.device).quantize(layout, kernel_constants(rotation, lam), rows.contiguous())
 
 
-def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, rotation_kind):
-    layout = _decoded_layout(codes, scales, bits, rotation_kind)
+def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind):
+    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind)
     reason = unsupported_reason(layout)
     if reason is not None:
         note_fallback("kvq::dequantize", layout, reason)
@@ -123,12 +130,14 @@ for _device in ("cuda", "mps"):
 def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: torch.Tensor,
                       key_scales: torch.Tensor, value_codes: torch.Tensor, value_scales: torch.Tensor,
                       window_keys: torch.Tensor, window_values: torch.Tensor, output_map: torch.Tensor, scale: float,
-                      key_bits: int, value_bits: int, counts: torch.Tensor | None) -> torch.Tensor:
+                      key_bits: int, value_bits: int, key_symmetric: bool, value_symmetric: bool,
+                      counts: torch.Tensor | None) -> torch.Tensor:
     """counts: None to attend over every row given, or a one-element int64 tensor holding
     device_lengths(packed rows, window rows): the leading rows of the buffers that count. CUDA runs the kernels
     where the layout has them; everything else the reference."""
     d = query.shape[-1]
-    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d), PackedKV(value_codes, value_scales, value_bits, d),
+    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d, key_symmetric),
+                      PackedKV(value_codes, value_scales, value_bits, d, value_symmetric),
                       (window_keys, window_values), query_map, output_map)
     if query.is_cuda:
         # The kernels' modules are imported here, on CUDA only: a CPU measurement never loads them (kvq.fingerprint
@@ -147,7 +156,7 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
 
 @_decode_attention.register_fake
 def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
-      scale, key_bits, value_bits, counts):
+      scale, key_bits, value_bits, key_symmetric, value_symmetric, counts):
     return torch.empty_like(query)
 
 
@@ -162,21 +171,23 @@ def _counted(step: DecodeStep, counts: torch.Tensor | None) -> DecodeStep:
 
 
 def quantize(rows: torch.Tensor, form: PackedForm) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows (..., d) -> codes (..., d * bits / 8) uint8 and scales (..., groups) in form.layout."""
+    """rows (..., d) -> codes (..., d * bits / 8) uint8 and stats (..., layout.stats) in form.layout."""
     form = form.on(rows.device)
     layout = form.layout
     codes, scales = torch.ops.kvq.quantize(rows.reshape(-1, layout.head_dim), form.rotation_input, form.lam,
-                                           layout.bits, layout.group_size, layout.scale_dtype, layout.rotation)
+                                           layout.bits, layout.group_size, layout.scale_dtype, layout.symmetric,
+                                           layout.rotation)
     lead = rows.shape[:-1]
-    return codes.view(*lead, layout.code_bytes), scales.view(*lead, layout.groups)
+    return codes.view(*lead, layout.code_bytes), scales.view(*lead, layout.stats)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtype: torch.dtype) -> torch.Tensor:
-    """codes (..., d * bits / 8) and scales (..., groups) in form.layout -> rows (..., d) of `dtype`."""
+    """codes (..., d * bits / 8) and stats (..., layout.stats) in form.layout -> rows (..., d) of `dtype`."""
     form = form.on(codes.device)
     layout = form.layout
-    rows = torch.ops.kvq.dequantize(codes.reshape(-1, layout.code_bytes), scales.reshape(-1, layout.groups),
-                                    form.rotation_input, form.lam, layout.bits, dtype, layout.rotation)
+    rows = torch.ops.kvq.dequantize(codes.reshape(-1, layout.code_bytes), scales.reshape(-1, layout.stats),
+                                    form.rotation_input, form.lam, layout.bits, dtype, layout.symmetric,
+                                    layout.rotation)
     return rows.view(*codes.shape[:-1], layout.head_dim)
 
 
@@ -193,7 +204,7 @@ def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts
     keys, values = step.keys, step.values
     return torch.ops.kvq.decode_attention(query, step.query_map, keys.codes, keys.scales, values.codes,
                                           values.scales, *step.window, step.output_map, float(scale), keys.bits,
-                                          values.bits, counts)
+                                          values.bits, keys.symmetric, values.symmetric, counts)
 
 
 def encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
@@ -202,7 +213,7 @@ def encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
     if form is None:
         return quantizer.encode(x)
     codes, scales = quantize(x, form)
-    return packed_codes(codes, scales, x.shape, x.dtype)
+    return packed_codes(codes, scales, x.shape, x.dtype, form.layout.symmetric)
 
 
 def metered_encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
@@ -221,7 +232,8 @@ def decode(quantizer: Quantizer, packed: Packed) -> torch.Tensor:
     if form is None or not isinstance(packed, RotatedPacked):
         return quantizer.decode(packed)
     inner = packed.inner
-    return dequantize(inner.codes, inner.scale.squeeze(-1), form, packed.dtype)
+    stats = [inner.scale] if inner.offset is None else [inner.scale, inner.offset]
+    return dequantize(inner.codes, torch.cat([s.squeeze(-1) for s in stats], dim=-1), form, packed.dtype)
 
 
 def kernel_builds() -> dict[str, str]:

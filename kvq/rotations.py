@@ -59,11 +59,12 @@ class Identity(Rotation):
 
 
 @lru_cache(maxsize=16)
-def _normalized_hadamard(d: int) -> torch.Tensor:
+def _normalized_hadamard(d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Made once per device and dtype: a step captured in a CUDA graph may copy nothing from the host."""
     h = torch.ones(1, 1)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(d)
+    return (h / math.sqrt(d)).to(device=device, dtype=dtype)
 
 
 class _SignedRotation(Rotation):
@@ -75,9 +76,10 @@ class _SignedRotation(Rotation):
 
     @classmethod
     def with_signs(cls, signs: torch.Tensor) -> "_SignedRotation":
-        """The rotation with these signs rather than a seed's (what kvq::quantize is given)."""
+        """The rotation with these signs rather than a seed's (what kvq::quantize is given), kept on their
+        device: a step captured in a CUDA graph may copy nothing from the host."""
         rotation = cls(signs.shape[-1])
-        rotation.signs = signs.float().cpu()
+        rotation.signs = signs.float()
         return rotation
 
     def _signs_like(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,7 @@ class SRHT(_SignedRotation):
         super().__init__(d, seed)
 
     def _h(self, x):
-        return _normalized_hadamard(self.d).to(device=x.device, dtype=x.dtype)
+        return _normalized_hadamard(self.d, x.device, x.dtype)
 
     def forward(self, x):
         self._check(x)

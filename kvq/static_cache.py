@@ -160,8 +160,8 @@ class StaticQuantizedLayer(StaticKVLayer):
             layout = form.layout
             self.packed[role] = ops.PackedKV(
                 torch.zeros(*lead, self.max_cache_len, layout.code_bytes, dtype=torch.uint8, device=self.device),
-                torch.zeros(*lead, self.max_cache_len, layout.groups, dtype=layout.scale_dtype, device=self.device),
-                layout.bits, layout.head_dim)
+                torch.zeros(*lead, self.max_cache_len, layout.stats, dtype=layout.scale_dtype, device=self.device),
+                layout.bits, layout.head_dim, layout.symmetric)
             self.ring[role] = key_states.new_zeros(*lead, self.window, layout.head_dim)
         self.forms = {role: form.on(self.device) for role, form in self.forms.items()}
         for form in self.forms.values():  # builds the kernels and the constants they keep, outside any graph

@@ -58,15 +58,19 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.gpu])]
 
 
 def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group: int, device: str,
-                  generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32):
-    """Packed K or V as the fused cache holds them: Gaussian rows through a per-group ScalarQuantizer."""
+                  generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32,
+                  symmetric: bool = True):
+    """Packed K or V as the fused cache holds them: Gaussian rows through a per-group ScalarQuantizer (scales,
+    then offsets where not `symmetric`)."""
     from kvq.kernels.step import PackedKV
     from kvq.ops import SCALE_DTYPE_NAMES
     from kvq.quant.scalar import ScalarQuantizer
 
     rows = torch.randn(batch, heads, tokens, d, generator=generator)
-    packed = ScalarQuantizer(bits, "per_group", group, scale_dtype=SCALE_DTYPE_NAMES[scale_dtype]).encode(rows)
-    return PackedKV(packed.codes.to(device), packed.scale.squeeze(-1).to(device), bits, d)
+    packed = ScalarQuantizer(bits, "per_group", group, symmetric, SCALE_DTYPE_NAMES[scale_dtype]).encode(rows)
+    stats = [packed.scale] if symmetric else [packed.scale, packed.offset]
+    return PackedKV(packed.codes.to(device), torch.cat([s.squeeze(-1) for s in stats], -1).to(device), bits, d,
+                    symmetric)
 
 
 def counting_fp_passes(monkeypatch) -> list:

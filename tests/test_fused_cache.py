@@ -125,8 +125,9 @@ def test_fused_memory_counts_allocated_buffers(scale_dtype, scale_bytes):
 
 def test_fused_cache_refuses_quantizers_without_a_packed_layout():
     assert QuantizerBank(QuantSpec("srft", 4), KVGeometry(1, 1, 64)).get(0, "k").packed_form() is not None
+    assert QuantizerBank(QuantSpec("int", 4, symmetric=False), KVGeometry(1, 1, 64)).get(0, "k").packed_form()
     for spec, reason in ((QuantSpec("int", 4, "per_channel"), "per_channel"), (QuantSpec("hqmq", 4), "HQMQ"),
-                         (QuantSpec("int", 4, symmetric=False), "asymmetric")):
+                         (QuantSpec("kivi", 4, group_size=32), "KIVI")):
         bank = QuantizerBank(spec, KVGeometry(1, 1, 64))
         with pytest.raises(KvqError, match=reason):
             FusedLayer(bank, 0, 16)

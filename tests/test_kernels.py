@@ -34,9 +34,9 @@ TIE_WINDOW = 1e-3  # |frac(y / scale)| this close to 0.5 counts as a rounding ti
 
 
 def quantizer(rotation="srft", d=128, bits=4, granularity="per_token", group=32, lam=False, seed=0,
-              scales="float32"):
+              scales="float32", symmetric=True):
     lam_vector = torch.rand(d, generator=torch.Generator().manual_seed(seed)) + 0.25 if lam else None
-    inner = ScalarQuantizer(bits, granularity, group, scale_dtype=scales)
+    inner = ScalarQuantizer(bits, granularity, group, symmetric, scale_dtype=scales)
     return RotatedQuantizer(ROTATIONS[rotation](d, seed), inner, lam_vector)
 
 
@@ -136,15 +136,23 @@ def test_resident_programs_follow_an_h100_sms_limits(registers, shared, warps, e
     assert resident_programs(registers, shared, warps, shared_per_sm=233472, threads_per_sm=2048) == expected
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("rotation", ["identity", "srht", "srft"])
-@pytest.mark.parametrize("granularity, bits", [("per_token", 4), ("per_group", 4), ("per_group", 2), ("per_group", 8)])
-def test_cpu_ops_are_the_quantizers_own_arithmetic(rotation, granularity, bits):
-    q = quantizer(rotation, 64, bits, granularity, 16, lam=True)
+@pytest.mark.parametrize("granularity, bits", [("per_token", 4), ("per_group", 4), ("per_group", 2), ("per_group", 3),
+                                               ("per_group", 8)])
+def test_cpu_ops_are_the_quantizers_own_arithmetic(rotation, granularity, bits, symmetric):
+    q = quantizer(rotation, 64, bits, granularity, 16, lam=True, scales="float16", symmetric=symmetric)
+    assert q.packed_form().layout.stats == (1 if granularity == "per_token" else 4) * (1 if symmetric else 2)
     x = torch.randn(2, 3, 10, 64)
     packed, expected = ops.encode(q, x), q.encode(x)
     assert torch.equal(packed.inner.codes, expected.inner.codes)
     assert torch.equal(packed.inner.scale.reshape(expected.inner.scale.shape), expected.inner.scale)
+    if symmetric:
+        assert packed.inner.offset is None and expected.inner.offset is None
+    else:
+        assert torch.equal(packed.inner.offset.reshape(expected.inner.offset.shape), expected.inner.offset)
     assert torch.equal(ops.decode(q, packed), q.decode(expected))
+    assert packed.storage_bits() == expected.storage_bits()
 
 
 def test_learned_rotations_take_the_reference_through_their_matrix():
@@ -154,15 +162,17 @@ def test_learned_rotations_take_the_reference_through_their_matrix():
     torch.testing.assert_close(ops.decode(learned, ops.encode(learned, x)), learned(x), atol=1e-5, rtol=0)
 
 
-def test_ops_are_custom_ops_that_compile_without_graph_breaks():
-    q = quantizer("srft", 64, 4, "per_group", 16, lam=True)
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
+def test_ops_are_custom_ops_that_compile_without_graph_breaks(symmetric):
+    q = quantizer("srft", 64, 4, "per_group", 16, lam=True, symmetric=symmetric)
     form = q.packed_form()
     rows = torch.randn(6, 64)
     codes, scales = ops.quantize(rows, form)
-    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.signs, form.lam, 4, 16, torch.float32, "srft"))
+    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.signs, form.lam, 4, 16, torch.float32,
+                                                           symmetric, "srft"))
     torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scales, form.signs, form.lam, 4, torch.float32,
-                                                             "srft"))
-    keys, values = (random_packed(1, 2, 9, 64, 4, 16, "cpu") for _ in range(2))
+                                                             symmetric, "srft"))
+    keys, values = (random_packed(1, 2, 9, 64, 4, 16, "cpu", symmetric=symmetric) for _ in range(2))
     window = torch.randn(1, 2, 3, 64)
     step = DecodeStep(keys, values, (window, window), form.matrix.T, form.matrix)
     query = torch.randn(1, 4, 64)
@@ -193,6 +203,7 @@ struct bfloat2 { float v[2]; bfloat2(float a, float b) : v{a, b} {} };
 namespace metal {
 template <typename T, typename U> T as_type(U);
 inline float max(float a, float b) { return a > b ? a : b; }
+inline float min(float a, float b) { return a < b ? a : b; }
 inline float fabs(float x) { return x < 0 ? -x : x; }
 inline float fma(float a, float b, float c) { return a * b + c; }
 namespace precise { float sqrt(float); }
@@ -201,11 +212,12 @@ namespace precise { float sqrt(float); }
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to parse the Metal source")
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("rotation", ["identity", "srht", "srft"])
 @pytest.mark.parametrize("in_dtype, out_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16)])
-def test_metal_translation_unit_parses_with_the_shared_body(tmp_path, rotation, in_dtype, out_dtype):
+def test_metal_translation_unit_parses_with_the_shared_body(tmp_path, rotation, in_dtype, out_dtype, symmetric):
     (tmp_path / "metal_stdlib").write_text(_MetalStub.HEADER)
-    defines = dict(kernel_defines(layout(quantizer(rotation, 128, 4, "per_group", 32))))
+    defines = dict(kernel_defines(layout(quantizer(rotation, 128, 4, "per_group", 32, symmetric=symmetric))))
     source = translation_unit("metal", defines, in_dtype, out_dtype)
     assert kernel_text("quant_body.h") in source
     unit = tmp_path / "unit.cpp"
@@ -245,6 +257,38 @@ CASES = [
 ]
 
 
+def _assert_asymmetric_matches_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch.Tensor,
+                                         stats: torch.Tensor, label: str) -> None:
+    """Unsigned codes and per-group scales then offsets (stats (n, 2 groups)): each statistic within 1e-6 of its
+    vector's largest magnitude of the reference's (float32), or one fp16 step of the reference's own (fp16); the
+    codes the reference's rounding of (y - offset) / scale with the kernel's statistics, but at round-half ties
+    (counted)."""
+    expected = q.encode(x).inner
+    scale, offset = (stat.unsqueeze(-1) for stat in stats.chunk(2, dim=-1))
+    assert stats.dtype == expected.scale.dtype == q.inner.scale_dtype
+    for got, want in ((scale, expected.scale), (offset, expected.offset)):
+        assert got.shape == want.shape
+        if got.dtype == torch.float32:
+            vector_max = (expected.offset.abs() + expected.scale * q.inner.qmax).amax(dim=(-2, -1), keepdim=True)
+            assert ((got - want).abs() <= 1e-6 * vector_max).all()
+        else:
+            step = torch.maximum(want.float().abs() * 2.0 ** -10, torch.tensor(2.0 ** -24))
+            assert ((got.float() - want.float()).abs() <= step).all()
+    bits, d = q.inner.bits, x.shape[-1]
+    y = q.rotation.forward(x.float())
+    if q.lam is not None:
+        y = y * q.packed_form().on(x.device).lam
+    groups = scale.shape[-2]
+    pre_round = ((y.reshape(*y.shape[:-1], groups, -1) - offset.float()) / scale.float()).reshape(y.shape)
+    ref_codes = torch.round(pre_round).clamp(0, q.inner.qmax).to(torch.int16)
+    codes = unpack(codes, bits, d, signed=False)
+    differ = codes != ref_codes
+    ties = (pre_round.abs().frac() - 0.5).abs() < TIE_WINDOW
+    print(f"{label}: {int(differ.sum())} of {differ.numel()} codes differ, all at round-half ties")
+    assert not (differ & ~ties).any()
+    assert (codes - ref_codes).abs().max() <= 1
+
+
 def _assert_matches_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                               label: str) -> None:
     """Codes equal the reference's except at round-half ties (counted); float32 scales within 1e-6, fp16 scales
@@ -277,10 +321,20 @@ def _assert_matches_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch
     assert (codes - ref_codes).abs().max() <= 1
 
 
-def _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, device):
-    q = quantizer(rotation, d, bits, granularity, group, lam, seed=n, scales=scales)
+def _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, device, symmetric=True):
+    q = quantizer(rotation, d, bits, granularity, group, lam, seed=n, scales=scales, symmetric=symmetric)
     x = (torch.randn(n, d, generator=torch.Generator().manual_seed(n)) * 3).to(device, dtype)
-    return q, x, f"{rotation} d={d} int{bits} {granularity} g={group} lam={lam} {dtype} {scales} scales"
+    codes = f"int{bits}" if symmetric else f"uint{bits} with offsets"
+    return q, x, f"{rotation} d={d} {codes} {granularity} g={group} lam={lam} {dtype} {scales} scales"
+
+
+def _assert_stats_match_reference(q: RotatedQuantizer, x: torch.Tensor, codes: torch.Tensor, stats: torch.Tensor,
+                                  label: str) -> None:
+    """stats: (n, groups) scales, or scales then offsets for asymmetric codes."""
+    if q.inner.symmetric:
+        _assert_matches_reference(q, x, codes, stats.unsqueeze(-1), label)
+    else:
+        _assert_asymmetric_matches_reference(q, x, codes, stats, label)
 
 
 class _HostBackend(KernelBackend):
@@ -300,28 +354,33 @@ class _HostBackend(KernelBackend):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel body for the host")
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n, scales", CASES)
 def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, bits, granularity, group, lam, dtype,
-                                                        n, scales):
-    q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), scales, "cpu")
+                                                        n, scales, symmetric):
+    q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), scales, "cpu",
+                        symmetric)
     form = q.packed_form()
     backend = _HostBackend(form.layout, tmp_path)
     constants = kernel_constants(form.signs, form.lam)
-    codes, scales = backend.quantize(form.layout, constants, x)
-    _assert_matches_reference(q, x, codes, scales.unsqueeze(-1), "host " + label)
-    decoded = backend.dequantize(form.layout, constants, codes, scales, torch.float32)
-    packed = packed_codes(codes, scales, x.shape, torch.float32)
+    codes, stats = backend.quantize(form.layout, constants, x)
+    _assert_stats_match_reference(q, x, codes, stats, "host " + label)
+    decoded = backend.dequantize(form.layout, constants, codes, stats, torch.float32)
+    packed = packed_codes(codes, stats, x.shape, torch.float32, symmetric)
     torch.testing.assert_close(decoded, q.decode(packed), atol=1e-5 * x.abs().max(), rtol=0)
 
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("rotation, d, bits, granularity, group, lam, dtype, n, scales", CASES)
-def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n, scales):
-    q, x, label = _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, "cuda")
-    packed = ops.encode(q, x)
+def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, group, lam, dtype, n, scales,
+                                               symmetric):
+    q, x, label = _case(rotation, d, bits, granularity, group, lam, dtype, n, scales, "cuda", symmetric)
+    codes, stats = ops.quantize(x, q.packed_form())
     assert unsupported_reason(layout(q)) is None
-    _assert_matches_reference(q, x, packed.inner.codes, packed.inner.scale, label)
+    _assert_stats_match_reference(q, x, codes, stats, label)
+    packed = ops.encode(q, x)
     # the inverse kernel reconstructs what the reference decode gives from the same packing
     out = ops.decode(q, packed)
     assert out.dtype == dtype and out.shape == x.shape
@@ -360,10 +419,35 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
     (1, 4, 2, 128, 1, 16, 8, 4, 32, torch.float32, torch.float32),
 ])
 def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, key_bits,
-                                                      value_bits, group, dtype, scales, monkeypatch):
+                                                      value_bits, group, dtype, scales):
+    _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window, (key_bits, True),
+                            (value_bits, True), group, dtype, scales)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, keys, values, group, dtype, scales", [
+    # (bits, symmetric) of K and of V: unsigned codes with offsets (an asymmetric layout's) on either side
+    (1, 32, 8, 128, 32768, 8, (4, False), (4, False), 32, torch.float16, torch.float16),
+    (2, 16, 4, 128, 3001, 16, (8, False), (4, False), 32, torch.float16, torch.float32),
+    (1, 12, 4, 128, 777, 0, (4, True), (4, False), 32, torch.bfloat16, torch.float16),
+    (3, 9, 3, 64, 517, 16, (4, False), (8, True), 16, torch.float32, torch.float32),
+    (2, 8, 8, 64, 100, 0, (8, False), (8, False), 64, torch.float32, torch.float16),
+    (1, 4, 1, 256, 3000, 15, (4, False), (4, False), 256, torch.float32, torch.float32),
+    (1, 14, 2, 64, 1, 1, (4, False), (4, True), 32, torch.float32, torch.float32),
+])
+def test_decode_attention_with_offsets_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens, window, keys,
+                                                                   values, group, dtype, scales):
+    """Asymmetric layouts run in the Triton partial whichever partial the launch asks for."""
+    _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, keys, values, group, dtype, scales)
+
+
+def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window, key_form, value_form, group, dtype,
+                            scales):
+    (key_bits, key_symmetric), (value_bits, value_symmetric) = key_form, value_form
     generator = torch.Generator().manual_seed(tokens)
-    keys = random_packed(batch, kv_heads, tokens, d, key_bits, group, "cuda", generator, scales)
-    values = random_packed(batch, kv_heads, tokens, d, value_bits, group, "cuda", generator, scales)
+    keys = random_packed(batch, kv_heads, tokens, d, key_bits, group, "cuda", generator, scales, key_symmetric)
+    values = random_packed(batch, kv_heads, tokens, d, value_bits, group, "cuda", generator, scales, value_symmetric)
     window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).to("cuda", dtype)
     window = (window_buffer[0, :, :, :window], window_buffer[1, :, :, :window])
     query = torch.randn(batch, q_heads, d, generator=generator).to("cuda", dtype)
@@ -371,7 +455,8 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     step = DecodeStep(keys, values, window, (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda())
     launch = LaunchConfig(partial=partial)
     if partial == "cuda" and d == 128 and value_bits == 4 and group == 32 and q_heads // kv_heads <= 4:
-        assert cuda_decode.partial_fits(query, keys, values, window)  # int4 and int8 keys alike
+        # int4 and int8 keys alike; offsets take the Triton partial
+        assert cuda_decode.partial_fits(query, keys, values, window) == (key_symmetric and value_symmetric)
     got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
                                                                                                       d ** -0.5)
     # the second call goes through the compiled kernels' own launchers
@@ -380,7 +465,8 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
         assert torch.equal(ops.decode_attention(query, step, d ** -0.5), got)
     error = (got.float() - expected.float()).abs().max().item()
     print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window[0].shape[2]} "
-          f"K{key_bits}/V{value_bits} g={group} {dtype} {scales} scales: max abs {error:.2e}")
+          f"K{key_bits}{'' if key_symmetric else 'a'}/V{value_bits}{'' if value_symmetric else 'a'} g={group} "
+          f"{dtype} {scales} scales: max abs {error:.2e}")
     # fp16 and bf16 outputs are both rounded to the query's dtype: up to an ulp apart on top of the kernel's
     # own error; fp32 keeps the bare bound
     rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps * expected.float().abs().max().item()
@@ -398,4 +484,4 @@ def test_layouts_without_a_kernel_take_the_reference_and_say_why_once(caplog):
     assert torch.equal(packed.inner.codes.cpu(), q.encode(x.cpu()).inner.codes)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvq::quantize")]
     assert len(said) == 1 and str(layout(q)) in said[0]
-    assert said[0].endswith("kernels need symmetric int4/int8 codes with float32 or float16 scales")
+    assert said[0].endswith("kernels need int4/int8 codes with float32 or float16 scales")

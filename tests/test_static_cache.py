@@ -46,7 +46,10 @@ FIRST_FP_THEN_INT8 = parse_policy({"layers": [{"first": 1, "use": "fp"},
                                               {"layers": [1], "k": {"bits": 8}, "v": {"bits": 8}}]})
 # K and V codes of two widths in every layer (vLLM's K8/V4)
 K8_V4 = parse_policy({"k": {"bits": 8}, "v": {"bits": 4}})
-POLICIES = {"srft4": SitePolicy(), "first-fp-then-int8": FIRST_FP_THEN_INT8, "k8-v4": K8_V4}
+# unsigned codes with offsets (zero points): 8-bit keys and 4-bit values
+ASYMMETRIC_K8_V4 = parse_policy({"k": {"bits": 8, "symmetric": False}, "v": {"symmetric": False}})
+POLICIES = {"srft4": SitePolicy(), "first-fp-then-int8": FIRST_FP_THEN_INT8, "k8-v4": K8_V4,
+            "asymmetric-k8-v4": ASYMMETRIC_K8_V4}
 
 
 def bank_for(model, bits: int = 4, policy: SitePolicy = SitePolicy()) -> QuantizerBank:
@@ -75,7 +78,7 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
     """On CUDA the decode steps under fused_decoding run the fused kernels, whose tensor-core products take
     the query in fp16: their logits agree to 5e-3, the reference's to 2e-4. Under a policy the layers differ: an
     exact first layer (a full-attention one in llama and qwen2, a sliding one in gemma3), then 8-bit codes; or
-    8-bit keys and 4-bit values in every layer."""
+    8-bit keys and 4-bit values in every layer, symmetric or asymmetric."""
     model = tiny(kind).to(device)
     bank = bank_for(model, policy=policy)
     prompt = torch.randint(0, 101, (1, 13), generator=torch.Generator().manual_seed(1)).to(device)
@@ -85,8 +88,10 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
     if kind != "gemma3":
         exact = policy is FIRST_FP_THEN_INT8
         assert isinstance(static.layers[0], StaticExactLayer if exact else StaticQuantizedLayer)
-        widths = [8, 8] if exact else [8, 4] if policy is K8_V4 else [4, 4]
+        widths = [8, 8] if exact else [8, 4] if policy in (K8_V4, ASYMMETRIC_K8_V4) else [4, 4]
         assert [form.layout.bits for form in static.layers[1].forms.values()] == widths
+        symmetric = [form.layout.symmetric for form in static.layers[1].forms.values()]
+        assert symmetric == [policy is not ASYMMETRIC_K8_V4] * 2
     tokens, logits = greedy(model, static, prompt, 12)
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
     assert torch.equal(tokens, expected_tokens)

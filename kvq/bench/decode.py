@@ -59,9 +59,11 @@ def _kvq_int4(model, batch: int, max_tokens: int) -> dict:
     return {"past_key_values": QuantizedKVCache(bank, model.config, fused=True)}
 
 
-# The per-site policies of static rows (kvq.policy's YAML form): Qwen2's fp boundary layers; vLLM's K8/V4 mix.
+# The per-site policies of static rows (kvq.policy's YAML form): Qwen2's fp boundary layers; vLLM's K8/V4 mix;
+# asymmetric codes (unsigned, an fp16 scale and offset per group: as many bytes as fp32 scales alone).
 FP_BOUNDARY = {"layers": [{"first": 1, "use": "fp"}, {"last": 1, "use": "fp"}]}
 K8_V4 = {"k": {"bits": 8}}
+ASYMMETRIC = {role: {"symmetric": False, "scale_dtype": "float16"} for role in ("k", "v")}
 
 
 def _kvq_static(policy: dict | None = None) -> Callable[..., dict]:
@@ -118,6 +120,8 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
                 "loop", "int4+fp", _kvq_static(FP_BOUNDARY), loop="step"),
     DecodeCache("kvq-k8v4-static-step", "kvq int8 K, int4 V, static, compiled step loop", "k8v4", _kvq_static(K8_V4),
                 loop="step"),
+    DecodeCache("kvq-int4-asym-static-step", "kvq asymmetric int4, static, compiled step loop", "int4-asym",
+                _kvq_static(ASYMMETRIC), loop="step"),
     # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
     # static cache's mask, see kvq.gqa_attention).
     DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",

@@ -1,7 +1,7 @@
 """Kernel builds per device type: CUDA through NVRTC, Metal through torch.mps.compile_shader.
 
 Both compile the same translation unit (kvq.kernels.source) on first use and keep it for the process.
-A backend maps a PackedLayout, its KernelConstants and (n, d) rows to (codes, scales) and back.
+A backend maps a PackedLayout, its KernelConstants and (n, d) rows to (codes, stats) and back.
 """
 
 import ctypes
@@ -23,7 +23,7 @@ class KernelBackend:
             rows = rows.clone()
         n = rows.shape[0]
         codes = torch.empty(n, layout.code_bytes, dtype=torch.uint8, device=rows.device)
-        scales = torch.empty(n, layout.groups, dtype=layout.scale_dtype, device=rows.device)
+        scales = torch.empty(n, layout.stats, dtype=layout.scale_dtype, device=rows.device)
         if n:
             self._launch(layout, "kvq_quantize", (rows.dtype, torch.float32), n,
                          [rows, *constants.arguments(rows.dtype, reciprocal=False), codes, scales])

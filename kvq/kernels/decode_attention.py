@@ -7,6 +7,8 @@ and writes a partial (o_c, m_c, l_c); a reduce pass combines the partials. One p
 query heads of a KV head (GQA), so every KV byte is read once. Scales never multiply the codes: the
 query's rows are laid out once per scale group, so each group's share of q . k meets its scale in
 float32 after the tensor-core product, and the probabilities carry the V scales into the second product.
+An asymmetric layout's unsigned codes decode as c * s + z: its offsets add z times the group's query sum to a
+key's score, and the probabilities' sum against z to the values (the Triton partial only).
 
 Packed codes live in the quantizers' rotated, lambda-scaled domains (y = lam * R x). With
 query_map = R_k^T diag(1/lam_k) and output_map = diag(1/lam_v) R_v: q . k = (q query_map) . y_k and
@@ -61,7 +63,7 @@ def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
         return f"fused decode attention needs a power-of-two head_dim >= {2 * triton_decode.MIN_DOT}, got {d}"
     if query.shape[1] % kv_heads:
         return "query heads must be a multiple of KV heads"
-    groups = (keys.scales.shape[-1], values.scales.shape[-1])
+    groups = (keys.groups, values.groups)
     if _padded_heads(query.shape[1] // kv_heads, *groups) * max(groups) > MAX_ROWS:
         return "query heads x scale groups per KV head exceed what one program holds"
     return None
@@ -69,8 +71,11 @@ def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
 
 def step_description(query: torch.Tensor, step: DecodeStep) -> str:
     keys, values = step.keys, step.values
-    return (f"query {tuple(query.shape)} {query.dtype} over int{keys.bits} K and int{values.bits} V of "
-            f"{keys.codes.shape[1]} heads in {keys.scales.shape[-1]} and {values.scales.shape[-1]} scale groups")
+    def codes(packed) -> str:
+        return f"int{packed.bits}" if packed.symmetric else f"uint{packed.bits} (with offsets)"
+
+    return (f"query {tuple(query.shape)} {query.dtype} over {codes(keys)} K and {codes(values)} V of "
+            f"{keys.codes.shape[1]} heads in {keys.groups} and {values.groups} scale groups")
 
 
 def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float,
@@ -134,8 +139,8 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     if cuda_partial:
         resident = cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, keys.bits, query.device).resident_blocks
     else:
-        shape = (gqa, _padded_heads(gqa, keys.scales.shape[-1], values.scales.shape[-1]), d // 2, keys.bits,
-                 values.bits, keys.scales.shape[-1], values.scales.shape[-1], launch.block)
+        shape = (gqa, _padded_heads(gqa, keys.groups, values.groups), d // 2, keys.bits, values.bits, keys.groups,
+                 values.groups, launch.block, int(not keys.symmetric), int(not values.symmetric))
         constants = dict(SHAPE=shape, DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl,
                          num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts

@@ -1,8 +1,8 @@
 """Which packed layouts the fused kernels implement, and what a kernel build and launch need from one.
 
-A kernel covers the PackedLayout of a rotation (identity | SRHT | SRFT) with optional lambda and symmetric
-int4/int8 codes with fp32 or fp16 scales per token or per power-of-two group, at power-of-two head_dim: the
-SRFT paper's fused kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Other layouts take the reference.
+A kernel covers the PackedLayout of a rotation (identity | SRHT | SRFT) with optional lambda and int4/int8 codes,
+symmetric or with offsets, with fp32 or fp16 scales per token or per power-of-two group, at power-of-two head_dim:
+the SRFT paper's fused kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Other layouts take the reference.
 """
 
 import math
@@ -40,8 +40,8 @@ def unsupported_reason(layout: PackedLayout) -> str | None:
     """None when a fused kernel implements this layout exactly; else why not."""
     if layout.rotation not in ROTATION_CODES:
         return f"rotation kind {layout.rotation} has no kernel (learned rotations run in torch)"
-    if layout.bits not in KERNEL_BITS or not layout.symmetric or layout.scale_dtype not in KERNEL_SCALE_DTYPES:
-        return "kernels need symmetric int4/int8 codes with float32 or float16 scales"
+    if layout.bits not in KERNEL_BITS or layout.scale_dtype not in KERNEL_SCALE_DTYPES:
+        return "kernels need int4/int8 codes with float32 or float16 scales"
     if not _power_of_two(layout.head_dim) or not 8 <= layout.head_dim <= 512:
         return f"kernels need a power-of-two head_dim in 8..512, got {layout.head_dim}"
     if not (_power_of_two(layout.group_size) and layout.group_size >= 2):
@@ -56,7 +56,7 @@ def kernel_defines(layout: PackedLayout) -> tuple[tuple[str, int | str], ...]:
     return (("KVQ_D", layout.head_dim), ("KVQ_GROUP", layout.group_size), ("KVQ_BITS", layout.bits),
             ("KVQ_ROT", ROTATION_CODES[layout.rotation]), ("KVQ_BLOCK", CUDA_BLOCK),
             ("KVQ_TWIDDLES", twiddle_literals(layout.head_dim)),
-            ("KVQ_SCALE_HALF", int(layout.scale_dtype == torch.float16)))
+            ("KVQ_SCALE_HALF", int(layout.scale_dtype == torch.float16)), ("KVQ_ASYM", int(not layout.symmetric)))
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,11 @@ def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
     return (masks - (masks >> 31 << 32)).to(torch.int32)  # bit 31 set: the int32 with that bit pattern
 
 
-def packed_codes(codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype) -> RotatedPacked:
-    """Kernel-layout codes (..., bytes) and scales (..., groups) of rows of `dtype` as the reference quantizers'
-    packed dataclass, so the reference can check and decode them."""
-    return RotatedPacked(ScalarPacked(codes, scales.unsqueeze(-1), None, None, tuple(shape), torch.float32), dtype)
+def packed_codes(codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype,
+                 symmetric: bool = True) -> RotatedPacked:
+    """Kernel-layout codes (..., bytes) and scales (..., groups), followed by as many offsets where not
+    `symmetric`, of rows of `dtype` as the reference quantizers' packed dataclass, so the reference can check and
+    decode them."""
+    scale, offset = (scales, None) if symmetric else scales.chunk(2, dim=-1)
+    return RotatedPacked(ScalarPacked(codes, scale.unsqueeze(-1), None if offset is None else offset.unsqueeze(-1),
+                                      None, tuple(shape), torch.float32), dtype)

@@ -17,29 +17,36 @@ from kvq.quant.scalar import ScalarQuantizer
 
 @dataclass
 class PackedKV:
-    """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role."""
+    """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role; unsigned
+    codes with offsets after the scales (B, H, T, 2 groups) where not `symmetric` (kvq.quant.layout)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     bits: int
     head_dim: int
+    symmetric: bool = True
 
     def rows(self, n: int) -> "PackedKV":
         """The first n tokens."""
-        return PackedKV(self.codes[..., :n, :], self.scales[..., :n, :], self.bits, self.head_dim)
+        return PackedKV(self.codes[..., :n, :], self.scales[..., :n, :], self.bits, self.head_dim, self.symmetric)
+
+    @property
+    def groups(self) -> int:
+        return self.scales.shape[-1] if self.symmetric else self.scales.shape[-1] // 2
 
     @property
     def group(self) -> int:
-        return self.head_dim // self.scales.shape[-1]
+        return self.head_dim // self.groups
 
     def as_packed(self, dtype: torch.dtype) -> RotatedPacked:
         """The same codes as the reference quantizers' packed dataclass."""
-        return packed_codes(self.codes, self.scales, (*self.codes.shape[:-1], self.head_dim), dtype)
+        return packed_codes(self.codes, self.scales, (*self.codes.shape[:-1], self.head_dim), dtype, self.symmetric)
 
     def dequantized(self) -> torch.Tensor:
-        """float32 codes x scales in the quantizer's rotated domain (the reference ScalarQuantizer decode;
-        per-token scales are the one-group case)."""
-        return ScalarQuantizer(self.bits, "per_group", self.group).decode(self.as_packed(torch.float32).inner)
+        """float32 codes x scales (+ offsets) in the quantizer's rotated domain (the reference ScalarQuantizer
+        decode; per-token scales are the one-group case)."""
+        return ScalarQuantizer(self.bits, "per_group", self.group, self.symmetric).decode(
+            self.as_packed(torch.float32).inner)
 
 
 @dataclass(frozen=True)

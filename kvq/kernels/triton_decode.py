@@ -13,67 +13,98 @@ import triton.language as tl
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
-# Two's-complement nibbles to fp16 integers: spread 4 bytes over 16-bit lanes, then place each nibble
-# under exponent 1024 while flipping its sign bit ((n & 0xF) ^ 8 = n + 8), a low nibble in mantissa
-# bits 0-3 (1024 + n + 8), a high one in bits 4-7 (1024 + 16 (n + 8)). Outputs: low nibbles, then
-# high nibbles, of the 4 bytes. _BIASED_NIBBLES stops there, 8 values per 6 instructions, for keys,
-# whose query takes the biases out (see _query_bias); _EXACT_NIBBLES also subtracts them, 8 values per
-# 10 instructions, for values, whose accumulators would otherwise carry the biases across a whole
-# split (the tensor cores' float32 sums truncate: 5e-4 max abs error at 8K tokens in the GPU test).
-_BIASED_NIBBLES = """
-{
+def _nibbles_to_f16(low: int, high: int, exact: bool) -> tl.constexpr:
+    """Nibbles to fp16 integers: spread 4 bytes over 16-bit lanes, then place each nibble under exponent 1024
+    (fp16 0x6400) by (byte & mask) ^ magic, a low nibble in mantissa bits 0-3 (reads `low` + n), a high one in
+    bits 4-7 (reads `high` + 16 n). Two's-complement codes flip their sign bit on the way ((n & 0xF) ^ 8 =
+    n + 8: magics 0x6408 and 0x6480, reading 1032 + n and 1152 + 16 n); unsigned codes need no flip (0x6400:
+    1024 + n, 1024 + 16 n). Outputs: low nibbles, then high nibbles, of the 4 bytes. Biased (not `exact`), 8
+    values per 6 instructions, serve keys, whose query takes the biases out (see _query_bias); exact ones also
+    subtract them, 8 values per 10 instructions, for values, whose accumulators would otherwise carry the
+    biases across a whole split (the tensor cores' float32 sums truncate: 5e-4 max abs error at 8K tokens in
+    the GPU test)."""
+    low_magic, high_magic = 0x6400 + low - 1024, 0x6400 + (high - 1024) // 16 * 16
+
+    def pair(half: int) -> str:
+        return f"0x{half:04x}{half:04x}"
+
+    body = f"""
+{{
 .reg .b32 lo, hi;
 prmt.b32 lo, $4, 0, 0x4140;
 prmt.b32 hi, $4, 0, 0x4342;
-lop3.b32 $0, lo, 0x000F000F, 0x64086408, 0x6a;
-lop3.b32 $1, hi, 0x000F000F, 0x64086408, 0x6a;
-lop3.b32 $2, lo, 0x00F000F0, 0x64806480, 0x6a;
-lop3.b32 $3, hi, 0x00F000F0, 0x64806480, 0x6a;
+lop3.b32 $0, lo, 0x000F000F, {pair(low_magic)}, 0x6a;
+lop3.b32 $1, hi, 0x000F000F, {pair(low_magic)}, 0x6a;
+lop3.b32 $2, lo, 0x00F000F0, {pair(high_magic)}, 0x6a;
+lop3.b32 $3, hi, 0x00F000F0, {pair(high_magic)}, 0x6a;
 """
-_BIASED_NIBBLES_TO_F16 = tl.constexpr(_BIASED_NIBBLES + "}")
-_EXACT_NIBBLES_TO_F16 = tl.constexpr(_BIASED_NIBBLES + """
+    if exact:  # low + n - low; (high + 16 n) / 16 - high / 16
+        high_bias = torch.tensor(-high / 16, dtype=torch.float16).view(torch.int16).item() & 0xFFFF
+        body += f"""
 .reg .b32 low_bias, high_step, high_bias;
-mov.b32 low_bias, 0x64086408;
+mov.b32 low_bias, {pair(low_magic)};
 mov.b32 high_step, 0x2c002c00;
-mov.b32 high_bias, 0xd480d480;
+mov.b32 high_bias, {pair(high_bias)};
 sub.f16x2 $0, $0, low_bias;
 sub.f16x2 $1, $1, low_bias;
 fma.rn.f16x2 $2, $2, high_step, high_bias;
 fma.rn.f16x2 $3, $3, high_step, high_bias;
-}""")  # 1032 + n - 1032; (1152 + 16 n) / 16 - 72
-LOW_BIAS = tl.constexpr(1032.0)  # a biased low nibble n reads 1032 + n
-HIGH_BIAS = tl.constexpr(1152.0)  # a biased high nibble n reads 1152 + 16 n
+"""
+    return tl.constexpr(body + "}")
+
+
+# What a biased nibble reads: a signed code n (two's complement) 1032 + n low, 1152 + 16 n high; an unsigned
+# one 1024 + n and 1024 + 16 n
+SIGNED_LOW_BIAS = tl.constexpr(1032.0)
+SIGNED_HIGH_BIAS = tl.constexpr(1152.0)
+UNSIGNED_BIAS = tl.constexpr(1024.0)
+_SIGNED_BIASED = _nibbles_to_f16(1032, 1152, exact=False)
+_SIGNED_EXACT = _nibbles_to_f16(1032, 1152, exact=True)
+_UNSIGNED_BIASED = _nibbles_to_f16(1024, 1024, exact=False)
+_UNSIGNED_EXACT = _nibbles_to_f16(1024, 1024, exact=True)
 HIGH_STEP = tl.constexpr(16.0)
 WINDOW_BLOCK = tl.constexpr(MIN_DOT)  # residual windows are ~16 tokens
 
 @triton.jit
-def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, VALUES: tl.constexpr):
+def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, VALUES: tl.constexpr,
+                SIGNED: tl.constexpr):
     """Even and odd coordinates of a (BLOCK, d) tile of codes as fp16 integers (codes_ptr: this head's
-    rows of HALF * BITS // 4 bytes); int4 keys come biased (_BIASED_NIBBLES_TO_F16). For values the
-    conversion is marked impure, which pins it where it is written: Triton otherwise moves the tile's
-    layout change ahead of it, to shift bytes rather than halves, and as V's products run over tokens
-    that gathers the bytes one at a time from shared memory."""
+    rows of HALF * BITS // 4 bytes), two's complement where SIGNED, else unsigned; int4 keys come biased
+    (_nibbles_to_f16). For values the conversion is marked impure, which pins it where it is written: Triton
+    otherwise moves the tile's layout change ahead of it, to shift bytes rather than halves, and as V's
+    products run over tokens that gathers the bytes one at a time from shared memory."""
     pairs = tl.arange(0, HALF)
     row_bytes: tl.constexpr = HALF * BITS // 4
     if BITS == 4:
         byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + pairs[None, :], mask=valid[:, None], other=0)
-        even, odd = tl.inline_asm_elementwise(_EXACT_NIBBLES_TO_F16 if VALUES else _BIASED_NIBBLES_TO_F16,
-                                              "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
-                                              is_pure=not VALUES, pack=4)
+        if SIGNED:
+            even, odd = _nibbles(byte, _SIGNED_EXACT if VALUES else _SIGNED_BIASED, VALUES)
+        else:
+            even, odd = _nibbles(byte, _UNSIGNED_EXACT if VALUES else _UNSIGNED_BIASED, VALUES)
     else:
         # one 16-bit load per coordinate pair, as int4 reads one byte per pair: the low byte is the even
-        # coordinate, and arithmetic shifts sign-extend each byte
+        # coordinate, and arithmetic shifts sign-extend each byte (a mask takes unsigned ones)
         words = codes_ptr.to(tl.pointer_type(tl.int16)) + tokens[:, None] * (row_bytes // 2) + pairs[None, :]
         word = tl.load(words, mask=valid[:, None], other=0)
-        even = ((word << 8) >> 8).to(tl.float16)
-        odd = (word >> 8).to(tl.float16)
+        if SIGNED:
+            even = ((word << 8) >> 8).to(tl.float16)
+            odd = (word >> 8).to(tl.float16)
+        else:
+            even = (word & 0xFF).to(tl.float16)
+            odd = ((word >> 8) & 0xFF).to(tl.float16)
     return even, odd
 
 @triton.jit
-def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr):
-    """(GROUPS, BLOCK) float32 scales of a tile (stored as float32 or fp16): one row per scale group."""
+def _nibbles(byte, CONVERSION: tl.constexpr, PINNED: tl.constexpr):
+    return tl.inline_asm_elementwise(CONVERSION, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
+                                     is_pure=not PINNED, pack=4)
+
+@triton.jit
+def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.constexpr):
+    """(GROUPS, BLOCK) float32 scales of a tile (stored as float32 or fp16, STATS per token): one row per
+    scale group. At scales_ptr + GROUPS: the offsets of an asymmetric layout."""
     groups = tl.arange(0, GROUPS)
-    scales = tl.load(scales_ptr + tokens[None, :] * GROUPS + groups[:, None], mask=valid[None, :], other=0.0)
+    scales = tl.load(scales_ptr + tokens[None, :] * STATS + groups[:, None], mask=valid[None, :], other=0.0)
     return scales.to(tl.float32)
 
 @triton.jit
@@ -91,42 +122,66 @@ def _by_group(x, GROUPS: tl.constexpr):
     return tl.reshape(tl.broadcast_to(x[None, :], (GROUPS, x.shape[0])), (GROUPS * x.shape[0],))
 
 @triton.jit
-def _online_softmax_step(query, k_bias, keys, k_scales, values, v_scales, valid, state, GQA_P: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _online_softmax_step(query, k_bias, keys, k_stats, values, v_stats, valid, state, GQA_P: tl.constexpr,
+                         BLOCK: tl.constexpr, K_OFFSETS: tl.constexpr, V_OFFSETS: tl.constexpr):
     """One tile of Alg. 1 with the scales kept out of the products: row block g of the query holds its
     group-g coordinates only, so one dot gives every group's share of q . codes, and each share meets
     its token's scale in float32; likewise row block g of the weights carries p * (group-g V scale)
     and keeps its own columns at the end (_own_columns). The codes enter the tensor cores exact, the
     keys' with biases, whose product with each query row (k_bias, (rows,)) leaves each tile's shares.
-    query, keys, values: (even, odd) coordinate halves; state: (m_i, l_i, acc_even, acc_odd)."""
+    An asymmetric layout's offsets z (decoding c * s + z) add z_g times the group's query sum to a key's
+    score, and p z_g to a value group's every coordinate, kept in acc_offset until the end.
+    query, keys, values: (even, odd) coordinate halves; k_stats: (scales, offsets, each row's query sum),
+    v_stats: (scales, offsets), offsets read only where K_OFFSETS / V_OFFSETS;
+    state: (m_i, l_i, acc_even, acc_odd, acc_offset)."""
     q_even, q_odd = query
     k_even, k_odd = keys
     v_even, v_odd = values
-    m_i, l_i, acc_even, acc_odd = state
+    k_scales, k_offsets, q_sums = k_stats
+    v_scales, v_offsets = v_stats
+    m_i, l_i, acc_even, acc_odd, acc_offset = state
     K_GROUPS: tl.constexpr = k_scales.shape[0]
     V_GROUPS: tl.constexpr = v_scales.shape[0]
     shares = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) - k_bias[:, None]
-    scores = tl.sum(tl.reshape(shares, (K_GROUPS, GQA_P, BLOCK)) * k_scales[:, None, :], 0)
+    scaled = tl.reshape(shares, (K_GROUPS, GQA_P, BLOCK)) * k_scales[:, None, :]
+    if K_OFFSETS:
+        scaled += tl.reshape(q_sums, (K_GROUPS, GQA_P))[:, :, None] * k_offsets[:, None, :]
+    scores = tl.sum(scaled, 0)
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     weights = tl.reshape(p[None, :, :] * v_scales[:, None, :], (V_GROUPS * GQA_P, BLOCK)).to(tl.float16)
-    alpha = _by_group(alpha, V_GROUPS)[:, None]
-    acc_even = tl.dot(weights, v_even, acc_even * alpha)
-    acc_odd = tl.dot(weights, v_odd, acc_odd * alpha)
-    return m_new, l_i, acc_even, acc_odd
+    alpha = _by_group(alpha, V_GROUPS)
+    if V_OFFSETS:
+        offset_sums = tl.sum(p[None, :, :] * v_offsets[:, None, :], 2)
+        acc_offset = acc_offset * alpha + tl.reshape(offset_sums, (V_GROUPS * GQA_P,))
+    acc_even = tl.dot(weights, v_even, acc_even * alpha[:, None])
+    acc_odd = tl.dot(weights, v_odd, acc_odd * alpha[:, None])
+    return m_new, l_i, acc_even, acc_odd, acc_offset
 
 
 @triton.jit
-def _query_bias(query, BITS: tl.constexpr):
-    """Each query row's product with the biases of int4 keys: q_even . 1032 + q_odd . 1152, where q_odd
-    was divided by 16 (_grouped_query's odd scale); zeros for int8 keys."""
+def _query_bias(query, BITS: tl.constexpr, SIGNED: tl.constexpr):
+    """Each query row's product with the biases of int4 keys, q_even . low + q_odd . high, where q_odd was
+    divided by 16 (_grouped_query's odd scale); zeros for int8 keys."""
     q_even, q_odd = query
     if BITS == 4:
-        return LOW_BIAS * tl.sum(q_even.to(tl.float32), 1) + HIGH_BIAS * tl.sum(q_odd.to(tl.float32), 1)
+        if SIGNED:
+            return SIGNED_LOW_BIAS * tl.sum(q_even.to(tl.float32), 1) + SIGNED_HIGH_BIAS * tl.sum(
+                q_odd.to(tl.float32), 1)
+        return UNSIGNED_BIAS * (tl.sum(q_even.to(tl.float32), 1) + tl.sum(q_odd.to(tl.float32), 1))
     return tl.zeros([q_even.shape[0]], tl.float32)
+
+
+@triton.jit
+def _query_sums(query, BITS: tl.constexpr):
+    """Each query row's sum over its group's coordinates (what an offset multiplies), the odd half's int4
+    division by 16 undone."""
+    q_even, q_odd = query
+    odd_step: tl.constexpr = HIGH_STEP if BITS == 4 else 1.0
+    return tl.sum(q_even.to(tl.float32), 1) + odd_step * tl.sum(q_odd.to(tl.float32), 1)
 
 
 @triton.jit
@@ -155,11 +210,12 @@ def _grouped_query(ptr, row_offset, row_ok, scales, HALF: tl.constexpr, GROUPS: 
 @triton.jit(do_not_specialize=["counts"])
 def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts, scale, SHAPE: tl.constexpr,
                    DEVICE_LENGTHS: tl.constexpr, PDL: tl.constexpr):
-    """queries: (q, q @ query_map), (B, Hq, d); keys, values: (codes, scales), (B, Hkv, capacity, .) buffers;
+    """queries: (q, q @ query_map), (B, Hq, d); keys, values: (codes, stats), (B, Hkv, capacity, .) buffers;
     window: (keys, values), (B, Hkv, window_capacity, d); partials: (sums (B, Hq, splits, d), maxima and
     normalizers (B, Hq, splits)); all contiguous. counts: (n_packed, n_window, tokens_per_split, capacity,
-    window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK): K and V codes
-    of their own widths (4 or 8).
+    window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS,
+    V_OFFSETS): K and V codes of their own widths (4 or 8), signed, or unsigned with offsets after the scales
+    where K_OFFSETS / V_OFFSETS (an asymmetric layout).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
     whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
     counts come from lengths_ptr (see device_lengths) instead of counts."""
@@ -171,6 +227,12 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     K_GROUPS: tl.constexpr = SHAPE[5]
     V_GROUPS: tl.constexpr = SHAPE[6]
     BLOCK: tl.constexpr = SHAPE[7]
+    K_OFFSETS: tl.constexpr = SHAPE[8]
+    V_OFFSETS: tl.constexpr = SHAPE[9]
+    K_STATS: tl.constexpr = K_GROUPS * (1 + K_OFFSETS)
+    V_STATS: tl.constexpr = V_GROUPS * (1 + V_OFFSETS)
+    K_SIGNED: tl.constexpr = 1 - K_OFFSETS
+    V_SIGNED: tl.constexpr = 1 - V_OFFSETS
     q_ptr, qmap_ptr = queries
     o_ptr, m_ptr, l_ptr = partials
     n_packed, n_window, tokens_per_split, capacity, window_capacity = counts
@@ -190,24 +252,35 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     l_i = tl.zeros([GQA_P], tl.float32)
     acc_even = tl.zeros([V_GROUPS * GQA_P, HALF], tl.float32)
     acc_odd = tl.zeros([V_GROUPS * GQA_P, HALF], tl.float32)
+    acc_offset = tl.zeros([V_GROUPS * GQA_P], tl.float32)
     row = pid_bh.to(tl.int64) * capacity
     if split < n_splits - 1:
         query = _grouped_query(qmap_ptr, q_offset, row_ok, (scale, scale / HIGH_STEP if K_BITS == 4 else scale),
                                HALF, K_GROUPS, GQA_P)
-        k_bias = _query_bias(query, K_BITS)
+        k_bias = _query_bias(query, K_BITS, K_SIGNED)
+        q_sums = _query_sums(query, K_BITS)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_packed)
         kc = keys[0] + row * (HALF * K_BITS // 4)
         vc = values[0] + row * (HALF * V_BITS // 4)
-        ks = keys[1] + row * K_GROUPS
-        vs = values[1] + row * V_GROUPS
+        ks = keys[1] + row * K_STATS
+        vs = values[1] + row * V_STATS
         for t0 in range(start, end, BLOCK):
             tokens = t0 + tl.arange(0, BLOCK)
             valid = tokens < end
-            m_i, l_i, acc_even, acc_odd = _online_softmax_step(
-                query, k_bias, _load_codes(kc, tokens, valid, K_BITS, HALF, VALUES=False),
-                _load_scales(ks, tokens, valid, K_GROUPS), _load_codes(vc, tokens, valid, V_BITS, HALF, VALUES=True),
-                _load_scales(vs, tokens, valid, V_GROUPS), valid, (m_i, l_i, acc_even, acc_odd), GQA_P, BLOCK)
+            k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS)
+            k_offsets = k_scales  # unread without offsets
+            if K_OFFSETS:
+                k_offsets = _load_scales(ks + K_GROUPS, tokens, valid, K_GROUPS, K_STATS)
+            v_scales = _load_scales(vs, tokens, valid, V_GROUPS, V_STATS)
+            v_offsets = v_scales
+            if V_OFFSETS:
+                v_offsets = _load_scales(vs + V_GROUPS, tokens, valid, V_GROUPS, V_STATS)
+            m_i, l_i, acc_even, acc_odd, acc_offset = _online_softmax_step(
+                query, k_bias, _load_codes(kc, tokens, valid, K_BITS, HALF, False, K_SIGNED),
+                (k_scales, k_offsets, q_sums), _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED),
+                (v_scales, v_offsets), valid, (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK, K_OFFSETS,
+                V_OFFSETS)
     else:
         query = _grouped_query(q_ptr, q_offset, row_ok, (scale, scale), HALF, K_GROUPS, GQA_P)
         window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)
@@ -217,10 +290,13 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
         for t0 in range(0, n_window, WINDOW_BLOCK):
             tokens = t0 + tl.arange(0, WINDOW_BLOCK)
             valid = tokens < n_window
-            m_i, l_i, acc_even, acc_odd = _online_softmax_step(
-                query, no_bias, _load_window(window[0] + window_row, tokens, valid, HALF), k_unit,
-                _load_window(window[1] + window_row, tokens, valid, HALF), v_unit, valid, (m_i, l_i, acc_even, acc_odd),
-                GQA_P, WINDOW_BLOCK)
+            m_i, l_i, acc_even, acc_odd, acc_offset = _online_softmax_step(
+                query, no_bias, _load_window(window[0] + window_row, tokens, valid, HALF), (k_unit, k_unit, no_bias),
+                _load_window(window[1] + window_row, tokens, valid, HALF), (v_unit, v_unit), valid,
+                (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, WINDOW_BLOCK, 0, 0)
+    if V_OFFSETS:  # the packed splits' offsets, on each row block's own columns (the window's carry none)
+        acc_even += acc_offset[:, None]
+        acc_odd += acc_offset[:, None]
     stat = head_rows * n_splits + split
     o_base = o_ptr + stat[:, None] * (2 * HALF)
     pairs = tl.arange(0, HALF)

@@ -1,7 +1,7 @@
 """What a quantizer stores, declared for the kernels: its PackedLayout and the constants that go with it.
 
-A quantizer that stores rows as symmetric scalar codes after a rotation and a per-channel lambda
-(y = lam * (R x), SRFT paper Sec. 5.1) declares a PackedForm; kvq.ops and the fused cache read only
+A quantizer that stores rows as scalar codes per token or per token-group, symmetric or with offsets (zero
+points), after a rotation and a per-channel lambda (y = lam * (R x), SRFT paper Sec. 5.1) declares a PackedForm; kvq.ops and the fused cache read only
 that, never the quantizer's attributes. Quantizers that store anything else declare none.
 """
 
@@ -17,7 +17,9 @@ SIGNED_ROTATIONS = ("identity", "srht", "srft")
 @dataclass(frozen=True)
 class PackedLayout:
     """Codes of `bits` bits per coordinate, packed little-end first, `head_dim` / `group_size` scales per row
-    (one per token when group_size == head_dim) in `scale_dtype`, after rotation `rotation`."""
+    (one per token when group_size == head_dim) in `scale_dtype`, after rotation `rotation`. A symmetric layout
+    holds signed codes c and decodes c * scale; an asymmetric one holds unsigned codes c and, after its scales,
+    as many offsets of the same dtype, and decodes c * scale + offset: its rows' `stats` are both."""
 
     head_dim: int
     bits: int
@@ -33,6 +35,11 @@ class PackedLayout:
     @property
     def groups(self) -> int:
         return self.head_dim // self.group_size
+
+    @property
+    def stats(self) -> int:
+        """Scales, then offsets where the layout is asymmetric, per row."""
+        return self.groups if self.symmetric else 2 * self.groups
 
 
 @dataclass(frozen=True, eq=False)

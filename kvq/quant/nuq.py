@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kvq.errors import KvqError
+from kvq.projections import attention_modules, split_heads
 from kvq.quant.spec import ROLES, Site
 
 NUQ_FORMAT = "kvq-nuq/1"
@@ -58,7 +59,6 @@ def fisher_activations(model: torch.nn.Module, windows: torch.Tensor, head_dim: 
     """k_proj's and v_proj's outputs (the keys before RoPE, the values) on each window, with each entry's Fisher
     information: the squared gradient of the window's mean next-token loss with respect to it. By (layer, role),
     each (windows, heads, tokens, head_dim) in float32. The model's weights get no gradients."""
-    from kvq.apply import attention_modules
 
     outputs: dict[tuple[int, str], torch.Tensor] = {}
     found: dict[tuple[int, str], tuple[list, list]] = {}
@@ -68,10 +68,6 @@ def fisher_activations(model: torch.nn.Module, windows: torch.Tensor, head_dim: 
             output.retain_grad()
             outputs[(layer, role)] = output
         return hook
-
-    def heads(t: torch.Tensor) -> torch.Tensor:
-        batch, tokens, width = t.shape
-        return t.detach().float().view(batch, tokens, width // head_dim, head_dim).transpose(1, 2)
 
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     model.requires_grad_(False)
@@ -87,8 +83,8 @@ def fisher_activations(model: torch.nn.Module, windows: torch.Tensor, head_dim: 
             model(input_ids=window, labels=window, use_cache=False).loss.backward()
             for key, output in outputs.items():
                 acts, fisher = found.setdefault(key, ([], []))
-                acts.append(heads(output))
-                fisher.append(heads(output.grad) ** 2)
+                acts.append(split_heads(output.detach().float(), head_dim))
+                fisher.append(split_heads(output.grad.float(), head_dim) ** 2)
     finally:
         for handle in handles:
             handle.remove()

@@ -52,13 +52,11 @@ class RotatedQuantizer(Quantizer):
         return self.inner.bits_per_element(d, n_tokens)
 
     def packing_reason(self) -> str | None:
-        """None when the storage is one symmetric scalar code row per token with per-token or per-group
-        scales, the layout the fused cache and kernels read; else why not."""
+        """None when the storage is one scalar code row per token with per-token or per-group scales (and
+        offsets, where asymmetric), the layout the fused cache and kernels read; else why not."""
         inner = self.inner
         if not isinstance(inner, ScalarQuantizer):
             return f"{type(inner).__name__} under a rotation declares no packed layout"
-        if not inner.symmetric:
-            return "asymmetric codes carry offsets, which no packed layout holds"
         if inner.granularity not in ("per_token", "per_group"):
             return f"granularity {inner.granularity} has no packed layout (its scales span tokens)"
         return None
@@ -69,7 +67,7 @@ class RotatedQuantizer(Quantizer):
         if self._form is None:
             d, inner = self.rotation.d, self.inner
             group = d if inner.granularity == "per_token" else inner.group_size
-            layout = PackedLayout(d, inner.bits, group, inner.scale_dtype, True, self.rotation.kind)
+            layout = PackedLayout(d, inner.bits, group, inner.scale_dtype, inner.symmetric, self.rotation.kind)
             signs = getattr(self.rotation, "signs", torch.ones(d)).float()
             lam = self.lam.float().clamp_min(LAMBDA_FLOOR) if self.lam is not None else None
             self._form = PackedForm(layout, signs, self.rotation.matrix(), lam)

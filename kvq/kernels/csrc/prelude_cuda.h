@@ -13,6 +13,7 @@ typedef unsigned long long kvq_index;
 #define kvq_sqrt(x) sqrtf(x)
 #define kvq_fabs(x) fabsf(x)
 #define kvq_max(a, b) fmaxf(a, b)
+#define kvq_min(a, b) fminf(a, b)
 
 // Element types travel as their bit patterns: NVRTC has no cuda_fp16.h without an include path.
 KVQ_DEVICE_FN float kvq_half_to_float(ushort bits) {

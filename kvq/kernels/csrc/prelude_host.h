@@ -14,6 +14,7 @@ struct uint4 { uint x, y, z, w; };
 #define kvq_sqrt(x) std::sqrt(x)
 #define kvq_fabs(x) std::fabs(x)
 #define kvq_max(a, b) std::fmax(a, b)
+#define kvq_min(a, b) std::fmin(a, b)
 typedef _Float16 kvq_half;  // GCC 12+ and Clang on x86-64 and arm64
 #define kvq_to_half(x) ((kvq_half)(x))
 #define kvq_from_half(h) ((float)(h))

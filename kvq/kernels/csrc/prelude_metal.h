@@ -14,6 +14,7 @@ typedef ulong kvq_index;
 #define kvq_sqrt(x) precise::sqrt(x)
 #define kvq_fabs(x) fabs(x)
 #define kvq_max(a, b) max(a, b)
+#define kvq_min(a, b) min(a, b)
 // float -> half rounds to nearest even (Metal Shading Language spec, 2.7), as torch's .to(float16).
 typedef half kvq_half;
 #define kvq_to_half(x) ((half)(x))

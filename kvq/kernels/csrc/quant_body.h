@@ -9,7 +9,7 @@
 //
 // The including prelude defines the backend words: KVQ_DEVICE_FN, KVQ_GMEM (global address space),
 // KVQ_THREAD (private address space, for pointers to a thread's arrays), kvq_index (64-bit),
-// KVQ_UNROLL, kvq_fma (fused, one rounding), kvq_sqrt, kvq_fabs, kvq_max, kvq_float_bits /
+// KVQ_UNROLL, kvq_fma (fused, one rounding), kvq_sqrt, kvq_fabs, kvq_max, kvq_min, kvq_float_bits /
 // kvq_bits_float (bit casts), uint4, and the element types' word access: KVQ_IN_T / KVQ_OUT_T,
 // KVQ_IN_PER_WORD / KVQ_OUT_PER_WORD (elements per 32-bit word), kvq_in_element(word, e),
 // kvq_out_word(values); and an IEEE half type for scales: kvq_half, kvq_to_half (round to nearest even,
@@ -22,6 +22,8 @@
 //   KVQ_TWIDDLES  cos, sin of pi k / (D/2) for k < D/2, as float literals: constant indices into a
 //                 constant table let the compiler fold them into the butterflies' instructions
 //   KVQ_SCALE_HALF  1: scales are stored as fp16 (ScalarQuantizer's scale_dtype float16), 0: float32
+//   KVQ_ASYM   1: unsigned codes c in 0..2^BITS - 1 decoding as c * scale + offset, a vector's offsets stored after
+//              its scales (ScalarQuantizer's asymmetric codes); 0: two's-complement codes c decoding as c * scale
 // Host constants (16-byte aligned): sign_words, the rotation's signs as XOR masks over the 32-bit words
 // of the input (quantize) or output (dequantize) element type: a sign flip is exact, so it costs one
 // logic instruction per word instead of a load and a multiply per element; lam (D floats, read when
@@ -29,8 +31,14 @@
 // dequantize.
 
 #define KVQ_HALF (KVQ_D / 2)
-#define KVQ_QMAX ((1 << (KVQ_BITS - 1)) - 1)
 #define KVQ_GROUPS (KVQ_D / KVQ_GROUP)
+#if KVQ_ASYM
+#define KVQ_QMAX ((1 << KVQ_BITS) - 1)
+#define KVQ_STATS (2 * KVQ_GROUPS)  // a vector's scales, then its offsets
+#else
+#define KVQ_QMAX ((1 << (KVQ_BITS - 1)) - 1)
+#define KVQ_STATS KVQ_GROUPS
+#endif
 #define KVQ_CODE_BYTES (KVQ_D * KVQ_BITS / 8)
 #define KVQ_CODES_PER_WORD (32 / KVQ_BITS)
 #define KVQ_TWIDDLE_TABLE const float twiddles[KVQ_D] = {KVQ_TWIDDLES}
@@ -46,6 +54,19 @@
 #define KVQ_SCALE_T float
 #define kvq_scale_value(stored) (stored)
 #endif
+
+// Stores `value` as a scale or offset is stored and returns what was stored: codes are computed from the
+// stored statistics, as the reference's are (ScalarQuantizer._stored).
+KVQ_DEVICE_FN float kvq_store_stat(KVQ_GMEM KVQ_SCALE_T* at, float value) {
+#if KVQ_SCALE_HALF
+    kvq_half stored = kvq_to_half(value);
+    *at = stored;
+    return kvq_from_half(stored);
+#else
+    *at = value;
+    return value;
+#endif
+}
 
 // The low bytes of four words, a's lowest.
 KVQ_DEVICE_FN uint kvq_low_bytes(uint a, uint b, uint c, uint d) {
@@ -276,6 +297,33 @@ KVQ_DEVICE_FN void kvq_quantize_body(
     kvq_rotate_forward(y);
     if (has_lam) kvq_scale_by(y, lam);
     float inverse[KVQ_GROUPS];
+#if KVQ_ASYM
+    // Codes are (y - offset) / scale in the reference's units, y * (norm / scale) - offset / scale here, whose
+    // rounding differs from the reference's division only at round-half ties (which the tests count).
+    float shift[KVQ_GROUPS];
+    KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
+        float lo = y[g * KVQ_GROUP], hi = lo;
+        KVQ_UNROLL for (uint i = g * KVQ_GROUP + 1; i < (g + 1) * KVQ_GROUP; ++i) {
+            lo = kvq_min(lo, y[i]);
+            hi = kvq_max(hi, y[i]);
+        }
+        float span = hi - lo;
+        KVQ_GMEM KVQ_SCALE_T* stats = scales + (kvq_index)vec * KVQ_STATS + g;
+        float scale = kvq_store_stat(stats, span > 0.0f ? span / (float)KVQ_QMAX * KVQ_ROTATION_NORM : 1.0f);
+        float offset = kvq_store_stat(stats + KVQ_GROUPS, lo * KVQ_ROTATION_NORM);
+        inverse[g] = KVQ_ROTATION_NORM / scale;
+        shift[g] = -offset / scale;
+    }
+    // The stored offset may round past the group's minimum or maximum: codes clamp to 0..QMAX as the
+    // reference's do.
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) {
+        uint rounded[KVQ_CODES_PER_WORD];
+        KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
+            uint i = w * KVQ_CODES_PER_WORD + e;
+            float code = kvq_fma(y[i], inverse[i / KVQ_GROUP], shift[i / KVQ_GROUP]);
+            rounded[e] = kvq_float_bits(kvq_min(kvq_max(code, 0.0f), (float)KVQ_QMAX) + KVQ_ROUND_MAGIC);
+        }
+#else
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
         float amax = 0.0f;
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) amax = kvq_max(amax, kvq_fabs(y[i]));
@@ -303,6 +351,7 @@ KVQ_DEVICE_FN void kvq_quantize_body(
             uint i = w * KVQ_CODES_PER_WORD + e;
             rounded[e] = kvq_float_bits(kvq_fma(y[i], inverse[i / KVQ_GROUP], KVQ_ROUND_MAGIC));
         }
+#endif
 #if KVQ_BITS == 4
         uint even = kvq_low_bytes(rounded[0], rounded[2], rounded[4], rounded[6]);
         uint odd = kvq_low_bytes(rounded[1], rounded[3], rounded[5], rounded[7]);
@@ -313,12 +362,16 @@ KVQ_DEVICE_FN void kvq_quantize_body(
     }
 }
 
-// A code's exact value from its two's-complement bits without an int-to-float conversion (a
-// quarter-rate instruction on GPUs): flipping the sign bit gives code + 2^(BITS-1) >= 0, which placed
-// under KVQ_ROUND_MAGIC's exponent is the float KVQ_ROUND_MAGIC + code + 2^(BITS-1).
+// A code's exact value from its bits without an int-to-float conversion (a quarter-rate instruction on
+// GPUs): an unsigned code placed under KVQ_ROUND_MAGIC's exponent is the float KVQ_ROUND_MAGIC + code; a
+// two's-complement one gets there by flipping its sign bit, which gives code + 2^(BITS-1) >= 0.
 KVQ_DEVICE_FN float kvq_code_value(uint code_bits) {
+#if KVQ_ASYM
+    return kvq_bits_float(KVQ_ROUND_MAGIC_BITS | code_bits) - KVQ_ROUND_MAGIC;
+#else
     const uint bias = 1u << (KVQ_BITS - 1);
     return kvq_bits_float(KVQ_ROUND_MAGIC_BITS | (code_bits ^ bias)) - (KVQ_ROUND_MAGIC + (float)bias);
+#endif
 }
 
 // Inverse: vector `vec` of codes, scales -> its row in the output type, written as 16-byte chunks,
@@ -335,8 +388,14 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
         }
     }
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
-        float scale = kvq_scale_value(scales[(kvq_index)vec * KVQ_GROUPS + g]) * KVQ_ROTATION_NORM;
+        KVQ_GMEM const KVQ_SCALE_T* stats = scales + (kvq_index)vec * KVQ_STATS + g;
+        float scale = kvq_scale_value(stats[0]) * KVQ_ROTATION_NORM;
+#if KVQ_ASYM
+        float offset = kvq_scale_value(stats[KVQ_GROUPS]) * KVQ_ROTATION_NORM;
+        KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) y[i] = kvq_fma(y[i], scale, offset);
+#else
         KVQ_UNROLL for (uint i = g * KVQ_GROUP; i < (g + 1) * KVQ_GROUP; ++i) y[i] *= scale;
+#endif
     }
     if (has_lam) kvq_scale_by(y, inverse_lam);
     kvq_rotate_inverse(y);
