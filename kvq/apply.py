@@ -19,7 +19,7 @@ from kvq.center import MEAN_BITS, KeyCenter, check_center
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
 from kvq.projections import attention_modules, merge_heads, split_heads
-from kvq.protocol import MODES, Protocol
+from kvq.protocol import FP16_BITS, MODES, Protocol
 from kvq.quant import Learned, Quantizer, QuantSpec, Site, build_quantizer
 from kvq.quant.exact import Exact
 
@@ -170,19 +170,41 @@ class QuantizedWriteCache(DynamicCache):
 class ProtocolWriteCache(DynamicCache):
     """Cache mode under a non-default Protocol: the layers hold exact K/V (what `update` returns) and
     this cache holds their quantized copies beside them, aligned position by position, for
-    kvq.attention's window attention to read where a position is out of a query's window."""
+    kvq.attention's window attention to read where a position is out of a query's window.
+
+    Where a site's stats span a group of positions (KIVI, Quantizer.token_group), a write's tokens short of a
+    whole group stay exact until a later write fills it: the next write encodes them again with its own, from
+    the group's first position, and their copies (and storage) are replaced, as KIVI's streaming cache does."""
 
     def __init__(self, bank: QuantizerBank, protocol: Protocol, config=None):
         super().__init__(config=config)
         self.bank, self.protocol = bank, protocol
         self._far: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._prefill: dict[int, int] = {}
+        self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a layer's tokens short of a group
+
+    def _quantized(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The quantized copies of this write, preceded by those of the layer's partial group encoded again; and
+        how many earlier copies they replace."""
+        sites = [self.bank.get(layer_idx, role) for role in ("k", "v")]
+        partial = self._partial.pop(layer_idx, None)
+        if partial is not None:
+            for site, earlier in zip(sites, partial, strict=True):
+                site.rewind(earlier.numel(), FP16_BITS)
+            key_states, value_states = (torch.cat([earlier, new], dim=-2)
+                                        for earlier, new in zip(partial, (key_states, value_states), strict=True))
+        short = key_states.shape[-2] % max(site.token_group for site in sites)
+        if short:
+            self._partial[layer_idx] = (key_states[..., -short:, :], value_states[..., -short:, :])
+        replaced = 0 if partial is None else partial[0].shape[-2]
+        return quantized_pair(self.bank, layer_idx, key_states, value_states), replaced
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        far = quantized_pair(self.bank, layer_idx, key_states, value_states)
+        far, replaced = self._quantized(layer_idx, key_states, value_states)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if layer_idx in self._far:
-            far = tuple(torch.cat([old, new], dim=-2) for old, new in zip(self._far[layer_idx], far, strict=True))
+            far = tuple(torch.cat([old[..., :old.shape[-2] - replaced, :], new], dim=-2)
+                        for old, new in zip(self._far[layer_idx], far, strict=True))
         # A sliding layer returns only its newest positions: the copies keep the same suffix.
         self._far[layer_idx] = tuple(t[..., -keys.shape[-2]:, :] for t in far)
         self._prefill.setdefault(layer_idx, keys.shape[-2])

@@ -23,9 +23,9 @@ from transformers.cache_utils import DynamicLayer
 
 from kvq import ops
 from kvq.apply import QuantizerBank
-from kvq.projections import attention_modules
 from kvq.attention import FUSED_ATTENTION, switch_attention
 from kvq.errors import KvqError
+from kvq.projections import attention_modules
 from kvq.quant.base import Packed
 from kvq.quant.layout import PackedForm
 
@@ -187,6 +187,9 @@ class FusedLayer(WindowedLayer):
         for quantizer in self.quantizers.values():
             if quantizer.packed_form() is None:
                 raise KvqError(f"the fused cache stores packed layouts only: {quantizer.packing_reason()}")
+            if quantizer.packed_form().layout.token_group > 1:
+                raise KvqError(f"the fused cache stores stats per token; {type(quantizer).__name__}'s span tokens "
+                               "(the static quantized cache holds them)")
         self.forms = {role: quantizer.packed_form() for role, quantizer in self.quantizers.items()}
         self.stores: dict[str, PackedStore] = {}
         self.raw: dict[str, torch.Tensor] = {}

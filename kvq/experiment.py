@@ -6,11 +6,11 @@ from kvq import models
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.calibrate import load_learned
 from kvq.center import MEAN_BITS, KeyCenter, bias_offsets, bias_reason, mean_offsets
-from kvq.projections import attention_by_layer
 from kvq.data import DataSpec, token_windows
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
 from kvq.ppl import PplResult, Progress, perplexity
+from kvq.projections import attention_by_layer
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 

@@ -8,7 +8,8 @@ pad token or a batch-mate could change a prompt's codes. So a batch decodes
   policy and keep its exact layers fp, or transformers' static
   cache with SDPA reading each K/V head once for fp), compiled on CUDA, the padded batch at once with the cache
   reset() between batches, where the quantizer has a packed layout and the protocol is one that cache holds
-  (`fast_path_reason`). Packed layouts are token-local, so padding changes no prompt's codes; the packed kernels
+  (`fast_path_reason`: not KIVI, whose key stats span positions). The layouts it takes are token-local, so
+  padding changes no prompt's codes; the packed kernels
   attend from the codes where no row is padded, a padded batch's steps read the cache dequantized under the mask;
 - otherwise through the reference cache: the whole padded batch at once where the quantizer is token-local (a
   token's codes depend on that token alone), prompts of equal length together where it is row-local, else
@@ -45,6 +46,11 @@ def fast_path_reason(bank: QuantizerBank | None, mode: str, protocol: Protocol, 
         reason = unheld_reason(bank, layer)
         if reason is not None:
             return reason
+        for role in ("k", "v"):
+            quantizer = bank.get(layer, role)
+            if quantizer.token_group > 1:
+                return (f"layer {layer} {role.upper()}: {type(quantizer).__name__}'s stats span "
+                        f"{quantizer.token_group} positions, so left padding would change a prompt's codes")
     return None
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvq.kernels import backend_for, note_fallback
-from kvq.kernels.plan import kernel_constants, packed_codes, unsupported_reason
+from kvq.kernels.plan import kernel_constants, packed_codes, packed_stats, per_token_stats, unsupported_reason
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
@@ -31,35 +31,40 @@ SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 
 
 def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, symmetric: bool,
-            rotation_kind: str) -> PackedLayout:
-    return PackedLayout(head_dim, bits, group_size, scale_dtype, symmetric, rotation_kind)
+            rotation_kind: str, token_group: int) -> PackedLayout:
+    return PackedLayout(head_dim, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group)
 
 
 def _rotation(rotation: torch.Tensor, kind: str) -> Rotation:
     return signed_rotation(kind, rotation) if kind in SIGNED_ROTATIONS else MatrixRotation(rotation)
 
 
-def _scalar(layout: PackedLayout) -> ScalarQuantizer:
-    return ScalarQuantizer(layout.bits, "per_group", layout.group_size, layout.symmetric,
+def _scalar(layout: PackedLayout, granularity: str = "per_group") -> ScalarQuantizer:
+    return ScalarQuantizer(layout.bits, granularity, layout.group_size, layout.symmetric,
                            SCALE_DTYPE_NAMES[layout.scale_dtype])
 
 
 def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
                        layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """RotatedQuantizer.encode's arithmetic on (n, d) rows -> codes and stats (scales, then any offsets).
+    """RotatedQuantizer.encode's arithmetic on (n, d) rows -> codes and stats (scales, then any offsets); where
+    the stats span tokens, KIVI's per-channel arithmetic over each `token_group` consecutive rows (n a multiple).
     rotation: the signs (d,) of a signed rotation kind, else its matrix (d, d)."""
     y = _rotation(rotation, layout.rotation).forward(rows.float())
     if lam is not None:
         y = y * lam.float()
-    packed = _scalar(layout).encode(y)
-    stats = [packed.scale] if layout.symmetric else [packed.scale, packed.offset]
-    return packed.codes, torch.cat([s.reshape(rows.shape[0], layout.groups) for s in stats], dim=-1)
+    if layout.token_group > 1:
+        packed = _scalar(layout, "per_channel").encode(y.view(-1, layout.token_group, layout.head_dim))
+    else:
+        packed = _scalar(layout).encode(y)
+    return packed.codes.reshape(rows.shape[0], layout.code_bytes), packed_stats(packed, layout.groups)
 
 
 def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor,
                          lam: torch.Tensor | None, layout: PackedLayout, dtype: torch.dtype) -> torch.Tensor:
-    """RotatedQuantizer.decode's arithmetic, in `dtype`."""
-    inner = packed_codes(codes, scales, (codes.shape[0], layout.head_dim), dtype, layout.symmetric).inner
+    """RotatedQuantizer.decode's arithmetic, in `dtype` (each token group's stats serving its every row)."""
+    n = codes.shape[0]
+    inner = packed_codes(codes, per_token_stats(scales, layout.token_group, n), (n, layout.head_dim), dtype,
+                         layout.symmetric).inner
     y = _scalar(layout).decode(inner).float()
     if lam is not None:
         y = y / lam.float()
@@ -67,43 +72,45 @@ def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: to
 
 
 def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, symmetric: bool,
-                    rotation_kind: str) -> PackedLayout:
+                    rotation_kind: str, token_group: int) -> PackedLayout:
     d = codes.shape[-1] * 8 // bits
     groups = scales.shape[-1] if symmetric else scales.shape[-1] // 2
-    return _layout(d, bits, d // groups, scales.dtype, symmetric, rotation_kind)
+    return _layout(d, bits, d // groups, scales.dtype, symmetric, rotation_kind, token_group)
 
 
 @torch.library.custom_op("kvq::quantize", mutates_args=())
 def _quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, bits: int, group_size: int,
-              scale_dtype: torch.dtype, symmetric: bool, rotation_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, d) rows -> codes (n, d * bits / 8) uint8 and stats (n, layout.stats): d / group_size scales, then as
-    many offsets where not `symmetric`."""
+              scale_dtype: torch.dtype, symmetric: bool, rotation_kind: str,
+              token_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) rows -> codes (n, d * bits / 8) uint8 and stats (n / token_group, layout.stats): d / group_size
+    scales, then as many offsets where not `symmetric`."""
     return reference_quantize(rows, rotation, lam, _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric,
-                                                           rotation_kind))
+                                                           rotation_kind, token_group))
 
 
 @_quantize.register_fake
-def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind):
+def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group):
     n, d = rows.shape
-    layout = _layout(d, bits, group_size, scale_dtype, symmetric, rotation_kind)
-    return rows.new_empty(n, layout.code_bytes, dtype=torch.uint8), rows.new_empty(n, layout.stats, dtype=scale_dtype)
+    layout = _layout(d, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group)
+    return (rows.new_empty(n, layout.code_bytes, dtype=torch.uint8),
+            rows.new_empty(n // token_group, layout.stats, dtype=scale_dtype))
 
 
 @torch.library.custom_op("kvq::dequantize", mutates_args=())
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
-                bits: int, dtype: torch.dtype, symmetric: bool, rotation_kind: str) -> torch.Tensor:
-    """codes (n, d * bits / 8) and stats (n, layout.stats) -> rows (n, d) of `dtype`."""
+                bits: int, dtype: torch.dtype, symmetric: bool, rotation_kind: str, token_group: int) -> torch.Tensor:
+    """codes (n, d * bits / 8) and stats (n / token_group, layout.stats) -> rows (n, d) of `dtype`."""
     return reference_dequantize(codes, scales, rotation, lam,
-                                _decoded_layout(codes, scales, bits, symmetric, rotation_kind), dtype)
+                                _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group), dtype)
 
 
 @_dequantize.register_fake
-def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind):
+def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group):
     return codes.new_empty(codes.shape[0], codes.shape[-1] * 8 // bits, dtype=dtype)
 
 
-def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind):
-    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind)
+def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group):
+    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group)
     reason = unsupported_reason(layout)
     if reason is not None:
         note_fallback("kvq::quantize", layout, reason)
@@ -111,8 +118,8 @@ def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetr
     return backend_for(rows.device).quantize(layout, kernel_constants(rotation, lam), rows.contiguous())
 
 
-def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind):
-    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind)
+def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group):
+    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group)
     reason = unsupported_reason(layout)
     if reason is not None:
         note_fallback("kvq::dequantize", layout, reason)
@@ -131,13 +138,13 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
                       key_scales: torch.Tensor, value_codes: torch.Tensor, value_scales: torch.Tensor,
                       window_keys: torch.Tensor, window_values: torch.Tensor, output_map: torch.Tensor, scale: float,
                       key_bits: int, value_bits: int, key_symmetric: bool, value_symmetric: bool,
-                      counts: torch.Tensor | None) -> torch.Tensor:
+                      key_token_group: int, value_token_group: int, counts: torch.Tensor | None) -> torch.Tensor:
     """counts: None to attend over every row given, or a one-element int64 tensor holding
     device_lengths(packed rows, window rows): the leading rows of the buffers that count. CUDA runs the kernels
     where the layout has them; everything else the reference."""
     d = query.shape[-1]
-    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d, key_symmetric),
-                      PackedKV(value_codes, value_scales, value_bits, d, value_symmetric),
+    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d, key_symmetric, key_token_group),
+                      PackedKV(value_codes, value_scales, value_bits, d, value_symmetric, value_token_group),
                       (window_keys, window_values), query_map, output_map)
     if query.is_cuda:
         # The kernels' modules are imported here, on CUDA only: a CPU measurement never loads them (kvq.fingerprint
@@ -156,7 +163,7 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
 
 @_decode_attention.register_fake
 def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
-      scale, key_bits, value_bits, key_symmetric, value_symmetric, counts):
+      scale, key_bits, value_bits, key_symmetric, value_symmetric, key_token_group, value_token_group, counts):
     return torch.empty_like(query)
 
 
@@ -171,23 +178,25 @@ def _counted(step: DecodeStep, counts: torch.Tensor | None) -> DecodeStep:
 
 
 def quantize(rows: torch.Tensor, form: PackedForm) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows (..., d) -> codes (..., d * bits / 8) uint8 and stats (..., layout.stats) in form.layout."""
+    """rows (..., T, d) -> codes (..., T, d * bits / 8) uint8 and stats (..., T / token_group, layout.stats) in
+    form.layout (T a multiple of its token_group)."""
     form = form.on(rows.device)
     layout = form.layout
     codes, scales = torch.ops.kvq.quantize(rows.reshape(-1, layout.head_dim), form.rotation_input, form.lam,
                                            layout.bits, layout.group_size, layout.scale_dtype, layout.symmetric,
-                                           layout.rotation)
+                                           layout.rotation, layout.token_group)
     lead = rows.shape[:-1]
-    return codes.view(*lead, layout.code_bytes), scales.view(*lead, layout.stats)
+    return codes.view(*lead, layout.code_bytes), scales.view(*lead[:-1], -1, layout.stats)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtype: torch.dtype) -> torch.Tensor:
-    """codes (..., d * bits / 8) and stats (..., layout.stats) in form.layout -> rows (..., d) of `dtype`."""
+    """codes (..., T, d * bits / 8) and stats (..., T / token_group, layout.stats) in form.layout -> rows
+    (..., T, d) of `dtype`."""
     form = form.on(codes.device)
     layout = form.layout
     rows = torch.ops.kvq.dequantize(codes.reshape(-1, layout.code_bytes), scales.reshape(-1, layout.stats),
                                     form.rotation_input, form.lam, layout.bits, dtype, layout.symmetric,
-                                    layout.rotation)
+                                    layout.rotation, layout.token_group)
     return rows.view(*codes.shape[:-1], layout.head_dim)
 
 
@@ -204,12 +213,20 @@ def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts
     keys, values = step.keys, step.values
     return torch.ops.kvq.decode_attention(query, step.query_map, keys.codes, keys.scales, values.codes,
                                           values.scales, *step.window, step.output_map, float(scale), keys.bits,
-                                          values.bits, keys.symmetric, values.symmetric, counts)
+                                          values.bits, keys.symmetric, values.symmetric, keys.token_group,
+                                          values.token_group, counts)
+
+
+def _row_form(quantizer: Quantizer) -> PackedForm | None:
+    """The quantizer's packed form where its stats are per token (encode and decode take rows through the ops);
+    stats that span tokens leave a write's last, partial group to the quantizer (KIVI's exact tokens)."""
+    form = quantizer.packed_form()
+    return form if form is not None and form.layout.token_group == 1 else None
 
 
 def encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:
-    """quantizer.encode(x), through kvq::quantize where the quantizer declares a packed layout."""
-    form = quantizer.packed_form()
+    """quantizer.encode(x), through kvq::quantize where the quantizer declares a per-token packed layout."""
+    form = _row_form(quantizer)
     if form is None:
         return quantizer.encode(x)
     codes, scales = quantize(x, form)
@@ -227,13 +244,11 @@ def roundtrip(quantizer: Quantizer, x: torch.Tensor) -> torch.Tensor:
 
 
 def decode(quantizer: Quantizer, packed: Packed) -> torch.Tensor:
-    """quantizer.decode(packed), through kvq::dequantize where the quantizer declares a packed layout."""
-    form = quantizer.packed_form()
+    """quantizer.decode(packed), through kvq::dequantize where the quantizer declares a per-token packed layout."""
+    form = _row_form(quantizer)
     if form is None or not isinstance(packed, RotatedPacked):
         return quantizer.decode(packed)
-    inner = packed.inner
-    stats = [inner.scale] if inner.offset is None else [inner.scale, inner.offset]
-    return dequantize(inner.codes, torch.cat([s.squeeze(-1) for s in stats], dim=-1), form, packed.dtype)
+    return dequantize(packed.inner.codes, packed_stats(packed.inner, form.layout.groups), form, packed.dtype)
 
 
 def kernel_builds() -> dict[str, str]:

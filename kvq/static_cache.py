@@ -10,6 +10,12 @@ attends straight from the codes (kvq.ops.decode_attention, the token counts read
 call's `update` returns the whole buffer dequantized with the exact rows in place, which any attention
 implementation reads under the usual static-cache mask.
 
+KIVI's keys share a scale and an offset per channel over a group of tokens: a write quantizes the whole groups
+it touches, the last one from its tokens written so far (rows past them repeat the newest, which moves no min or
+max), and writes again when later tokens fill it. With the window at least a group long, the tokens of a group
+not yet whole are in the window, so attention reads only whole groups' codes: the streaming KIVI cache, as the
+eager protocol cache holds it (kvq.apply).
+
 A per-site policy (kvq.policy) gives layers their own layouts, K and V codes of a width each (K8/V4), and the
 layers it keeps exact (`use: fp`) hold plain fp K/V that a decode step reads with SDPA over each K/V head once
 (`StaticExactLayer`). Sliding-window layers stay transformers' static sliding layers.
@@ -149,7 +155,14 @@ class StaticQuantizedLayer(StaticKVLayer):
         if window < 1 or window > max_cache_len:
             raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
         self.forms: dict[str, PackedForm] = {role: bank.get(layer, role).packed_form() for role in ROLES}
+        self.token_group = max(form.layout.token_group for form in self.forms.values())
+        if window < min(self.token_group, max_cache_len):  # a window of the whole cache never reads a code
+            raise KvqError(f"layer {layer}: codes whose stats span {self.token_group} tokens (KIVI's keys) need a "
+                           f"window of at least {self.token_group} tokens, got {window}")
         self.window = window
+        # whole token groups, and room for a write's last group to run past max_cache_len (_write_groups)
+        group = self.token_group
+        self.capacity = max_cache_len if group == 1 else -(-(max_cache_len + 2 * group) // group) * group
         self.packed: dict[str, ops.PackedKV] = {}
         self.ring: dict[str, torch.Tensor] = {}
 
@@ -159,13 +172,15 @@ class StaticQuantizedLayer(StaticKVLayer):
         for role, form in self.forms.items():
             layout = form.layout
             self.packed[role] = ops.PackedKV(
-                torch.zeros(*lead, self.max_cache_len, layout.code_bytes, dtype=torch.uint8, device=self.device),
-                torch.zeros(*lead, self.max_cache_len, layout.stats, dtype=layout.scale_dtype, device=self.device),
-                layout.bits, layout.head_dim, layout.symmetric)
+                torch.zeros(*lead, self.capacity, layout.code_bytes, dtype=torch.uint8, device=self.device),
+                torch.zeros(*lead, self.capacity // layout.token_group, layout.stats, dtype=layout.scale_dtype,
+                            device=self.device),
+                layout.bits, layout.head_dim, layout.symmetric, layout.token_group)
             self.ring[role] = key_states.new_zeros(*lead, self.window, layout.head_dim)
         self.forms = {role: form.on(self.device) for role, form in self.forms.items()}
         for form in self.forms.values():  # builds the kernels and the constants they keep, outside any graph
-            ops.dequantize(*ops.quantize(key_states.new_zeros(1, form.layout.head_dim), form), form, self.dtype)
+            rows = key_states.new_zeros(form.layout.token_group, form.layout.head_dim)
+            ops.dequantize(*ops.quantize(rows, form), form, self.dtype)
         self.maps = DomainMaps(self.forms["k"], self.forms["v"], self.device)
         # (packed << 32 | window) rows the kernels attend over: kvq.kernels.step.device_lengths
         self.counts = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -183,9 +198,12 @@ class StaticQuantizedLayer(StaticKVLayer):
         new = key_states.shape[-2]
         recent = min(new, self.window)
         for role, states in zip(ROLES, (key_states, value_states), strict=True):
-            codes, scales = ops.quantize(states, self.forms[role])
-            self.packed[role].codes.index_copy_(2, written, codes)
-            self.packed[role].scales.index_copy_(2, written, scales)
+            if self.forms[role].layout.token_group == 1:
+                codes, scales = ops.quantize(states, self.forms[role])
+                self.packed[role].codes.index_copy_(2, written, codes)
+                self.packed[role].scales.index_copy_(2, written, scales)
+            else:
+                self._write_groups(role, states)
             self.ring[role].index_copy_(2, written[new - recent:] % self.window, states[..., new - recent:, :])
         self.length.add_(new)
         window = self.length.clamp(max=self.window)
@@ -193,12 +211,31 @@ class StaticQuantizedLayer(StaticKVLayer):
         return tuple(self.attention_ready(role).index_copy(2, written, states)
                      for role, states in zip(ROLES, (key_states, value_states), strict=True))
 
+    def _write_groups(self, role: str, states: torch.Tensor) -> None:
+        """Codes and stats of every token group the new tokens touch, from the group's first position: its tokens
+        written before from the ring (the window holds a group), then the new ones, then the newest repeated up
+        to whole groups (it shares the last group, so no min or max moves). Shapes depend on the number of new
+        tokens alone, so a compiled step quantizes without a branch; rows past the written tokens land in the
+        buffers' spare positions, which nothing reads before a later write replaces them."""
+        group, new = self.forms[role].layout.token_group, states.shape[-2]
+        span = -(-(group - 1 + new) // group) * group
+        start = self.length // group * group
+        positions = start + torch.arange(span, device=self.device)
+        fresh = states.index_select(2, (positions - self.length).clamp(0, new - 1))
+        earlier = self.ring[role].index_select(2, positions % self.window)
+        rows = torch.where((positions < self.length).view(-1, 1), earlier, fresh)
+        codes, scales = ops.quantize(rows, self.forms[role])
+        self.packed[role].codes.index_copy_(2, positions, codes)
+        self.packed[role].scales.index_copy_(2, start // group + torch.arange(span // group, device=self.device),
+                                             scales)
+
     def attention_ready(self, role: str) -> torch.Tensor:
         """(B, H, max_cache_len, d): the codes dequantized, the window's positions exact from the ring. update
         also puts its own tokens in exact: a prompt (or a prefill chunk) attends to itself exactly (kvq.protocol's
         exact_prefill), and decode steps see the window exact and the rest quantized."""
         packed = self.packed[role]
         dequantized = ops.dequantize(packed.codes, packed.scales, self.forms[role], self.dtype)
+        dequantized = dequantized[..., :self.max_cache_len, :]
         # The window's positions n - window .. n - 1; while fewer than `window` tokens are written the leading
         # ones wrap to the buffer's unwritten tail, which the causal mask hides.
         in_window = (self.length - self.window + self.positions[:self.window]) % self.max_cache_len

@@ -59,18 +59,27 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.gpu])]
 
 def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group: int, device: str,
                   generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32,
-                  symmetric: bool = True):
+                  symmetric: bool = True, token_group: int = 1):
     """Packed K or V as the fused cache holds them: Gaussian rows through a per-group ScalarQuantizer (scales,
-    then offsets where not `symmetric`)."""
+    then offsets where not `symmetric`); or, with token_group > 1, KIVI's keys: per channel over groups of that
+    many tokens, in buffers of whole groups of which the first `tokens` rows count."""
+    from kvq.kernels.plan import packed_stats
     from kvq.kernels.step import PackedKV
     from kvq.ops import SCALE_DTYPE_NAMES
     from kvq.quant.scalar import ScalarQuantizer
 
-    rows = torch.randn(batch, heads, tokens, d, generator=generator)
-    packed = ScalarQuantizer(bits, "per_group", group, symmetric, SCALE_DTYPE_NAMES[scale_dtype]).encode(rows)
-    stats = [packed.scale] if symmetric else [packed.scale, packed.offset]
-    return PackedKV(packed.codes.to(device), torch.cat([s.squeeze(-1) for s in stats], -1).to(device), bits, d,
-                    symmetric)
+    held = -(-tokens // token_group) * token_group
+    rows = torch.randn(batch, heads, held, d, generator=generator)
+    if token_group > 1:
+        quantizer = ScalarQuantizer(bits, "per_channel", 1, symmetric, SCALE_DTYPE_NAMES[scale_dtype])
+        packed = quantizer.encode(rows.view(batch, heads, -1, token_group, d))
+        stats, group = packed_stats(packed, d), 1
+    else:
+        packed = ScalarQuantizer(bits, "per_group", group, symmetric, SCALE_DTYPE_NAMES[scale_dtype]).encode(rows)
+        stats = packed_stats(packed, d // group)
+    codes = packed.codes.reshape(batch, heads, held, -1)
+    return PackedKV(codes.to(device), stats.view(batch, heads, held // token_group, -1).to(device), bits, d,
+                    symmetric, token_group).rows(tokens)
 
 
 def counting_fp_passes(monkeypatch) -> list:

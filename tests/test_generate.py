@@ -262,7 +262,9 @@ def test_sampling_settings_are_checked(sampling, fragment):
 BAD_GENERATE_ARGUMENTS = [
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", ""], "--prompt 2 is empty"),
-    (["--quant", "kivi:4"], "the static quantized cache stores packed layouts only"),
+    (["--quant", "hqmq:4"], "the static quantized cache stores packed layouts only"),
+    (["--quant", "kivi:4", "--max-new-tokens", "40"],
+     "codes whose stats span 32 tokens (KIVI's keys) need a window of at least 32 tokens, got 16"),
     (["--stop", "two words"], "a stop string must be one token"),
     (["--policy", "{k: {bits: 8}}"], "--policy sets sites of a --quant quantizer"),
     (["--quant", "int:4", "--policy", "{layers: [{first: 1, k: {center: mean}}]}"], "not centered (center: mean)"),

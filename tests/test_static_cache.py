@@ -101,6 +101,39 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
     assert torch.equal(fused_tokens, expected_tokens)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+def test_kivi_in_the_static_cache_matches_the_eager_streaming_protocol_cache(kind, bits, device):
+    """KIVI's keys share stats per channel over 16 positions: the static cache quantizes a group again at each
+    write until it is whole, the eager cache holds a write's tokens short of a group exact until the next write
+    fills it; with a 16-token window both read the same codes. 40 prompt tokens and 30 steps cross four group
+    boundaries, with the window past them; the decode steps under fused_decoding read the per-channel codes in
+    the kernels (int4 and int8; the reference reads 2-bit codes)."""
+    model = tiny(kind).to(device)
+    bank = QuantizerBank(QuantSpec("kivi", bits, group_size=16), kv_geometry(model.config))
+    prompt = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
+    window = 16
+    with quantized_kv(model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
+        expected_tokens, expected = greedy(model, fresh()["past_key_values"], prompt, 30)
+    static = StaticQuantizedCache(bank, model.config, max_cache_len=72, window=window)
+    tokens, logits = greedy(model, static, prompt, 30)
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
+    assert torch.equal(tokens, expected_tokens)
+    with fused_decoding(model, static := StaticQuantizedCache(bank, model.config, max_cache_len=72, window=window)):
+        fused_tokens, fused_logits = greedy(model, static, prompt, 30)
+    torch.testing.assert_close(fused_logits, expected, atol=2e-4 if device == "cpu" else 5e-3, rtol=0)
+    assert torch.equal(fused_tokens, expected_tokens)
+
+
+def test_kivi_needs_a_window_as_long_as_its_token_group():
+    model = tiny("llama")
+    bank = QuantizerBank(QuantSpec("kivi", 4, group_size=16), kv_geometry(model.config))
+    with pytest.raises(KvqError, match=r"span 16 tokens .* window of at least 16 tokens, got 8"):
+        StaticQuantizedCache(bank, model.config, max_cache_len=40, window=8)
+    StaticQuantizedCache(bank, model.config, max_cache_len=8, window=8)  # every token exact: no code is read
+
+
 @pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_a_decode_step_compiles_as_one_graph_over_the_reference_ops(policy):
     model = tiny("llama")
@@ -165,13 +198,17 @@ def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize(("batch", "chunk"), [(1, None), (4, None), (1, 8)])
-def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(batch, chunk):
+@pytest.mark.parametrize(("quantizer", "batch", "chunk"), [("srft", 1, None), ("srft", 4, None), ("srft", 1, 8),
+                                                           ("kivi", 1, None), ("kivi", 4, 8)])
+def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(quantizer, batch, chunk):
     """generate compiles the decode step of a compileable cache (CUDA graphs over the static buffers), and with
     prefill_chunk_size each prefill chunk too; its greedy tokens equal those of the same cache run eagerly, over
-    64 steps."""
+    64 steps; also under KIVI-4 (16-token key groups), whose keys the torch reference quantizes."""
     model = tiny("llama").to("cuda").half()
-    bank = bank_for(model)
+    if quantizer == "kivi":
+        bank = QuantizerBank(QuantSpec("kivi", 4, group_size=16), kv_geometry(model.config))
+    else:
+        bank = bank_for(model)
     generator = torch.Generator().manual_seed(4)
     prompt = torch.randint(1, 101, (batch, 24), generator=generator).cuda()
     runs = {}

@@ -1,7 +1,8 @@
 """The static cache on real models, SRFT-4 in groups of 32 alone and with Qwen2's fp boundary layers (a policy that
-helps it on Qwen2.5, RESULTS.md): a prompt prefilled, then tokens of the text teacher-forced one decode step at a
-time, through the static cache (decode steps attending from the codes) and through the reference protocol cache;
-each step's log-probability of the text's next token must agree to float rounding.
+helps it on Qwen2.5, RESULTS.md), and KIVI-2 and KIVI-4 (the frontier there): a prompt prefilled, then tokens of
+the text teacher-forced one decode step at a time, through the static cache (decode steps attending from the
+codes) and through the reference protocol cache; each step's log-probability of the text's next token must agree
+to float rounding.
 
 A whole-sequence perplexity through the static cache is not this comparison: there every token after the window
 is quantized by a decode step, and a code that one last bit flips changes every later step, so the two caches'
@@ -20,11 +21,13 @@ from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 from kvq.static_cache import StaticQuantizedCache
 
-PROMPT, STEPS, WINDOW = 120, 8, 8
-LAYOUTS = {  # (base spec, per-site policy)
-    "srft4-g32": (QuantSpec("srft", 4, "per_group", 32), None),
+PROMPT, STEPS = 120, 8
+LAYOUTS = {  # (base spec, per-site policy, window): KIVI's window holds a whole 32-token key group
+    "srft4-g32": (QuantSpec("srft", 4, "per_group", 32), None, 8),
     "srft4-g32-fp-boundary": (QuantSpec("srft", 4, "per_group", 32),
-                              {"layers": [{"first": 1, "use": "fp"}, {"last": 1, "use": "fp"}]}),
+                              {"layers": [{"first": 1, "use": "fp"}, {"last": 1, "use": "fp"}]}, 8),
+    "kivi2-g32": (QuantSpec("kivi", 2, group_size=32), None, 32),
+    "kivi4-g32": (QuantSpec("kivi", 4, group_size=32), None, 32),
 }
 
 
@@ -49,14 +52,14 @@ def test_decode_steps_through_the_static_cache_score_as_the_protocol_cache(name,
     dtype = torch.float32 if device == "cpu" else torch.float16
     lm.model.to(device, dtype)
     try:
-        spec, policy = LAYOUTS[layout]
+        spec, policy, window = LAYOUTS[layout]
         bank = QuantizerBank(spec, kv_geometry(lm.model.config), policy=parse_policy(policy))
         tokens = token_windows(lm.tokenizer, "shakespeare", PROMPT + STEPS, 1).to(device)
-        with quantized_kv(lm.model, bank, "cache", Protocol(WINDOW, exact_prefill=True)) as fresh:
+        with quantized_kv(lm.model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
             reference = step_log_probs(lm.model, fresh()["past_key_values"], tokens)
         with quantized_kv(lm.model, None, "cache") as fresh:
             fp = step_log_probs(lm.model, fresh()["past_key_values"], tokens)
-        static = StaticQuantizedCache(bank, lm.model.config, PROMPT + STEPS, WINDOW)
+        static = StaticQuantizedCache(bank, lm.model.config, PROMPT + STEPS, window)
         with fused_decoding(lm.model, static):
             fused = step_log_probs(lm.model, static, tokens)
     finally:

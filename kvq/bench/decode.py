@@ -66,15 +66,17 @@ K8_V4 = {"k": {"bits": 8}}
 ASYMMETRIC = {role: {"symmetric": False, "scale_dtype": "float16"} for role in ("k", "v")}
 
 
-def _kvq_static(policy: dict | None = None) -> Callable[..., dict]:
-    """SRFT int4 in groups of 32 in kvq's static cache, its sites following `policy`."""
+def _kvq_static(policy: dict | None = None, quantizer: tuple = ("srft", 4, "per_group", 32),
+                window: int = 16) -> Callable[..., dict]:
+    """kvq's static cache with a window of `window` exact tokens, of QuantSpec(*quantizer) (SRFT int4 in groups of
+    32), its sites following `policy`."""
     def setup(model, batch: int, max_tokens: int) -> dict:
         from kvq.policy import parse_policy
         from kvq.quant import QuantSpec
 
         _compiled_on_cuda(model)
-        spec = QuantSpec("srft", 4, "per_group", 32)
-        return {"past_key_values": static_cache(model, spec, batch, max_tokens, policy=parse_policy(policy))}
+        return {"past_key_values": static_cache(model, QuantSpec(*quantizer), batch, max_tokens, window,
+                                                policy=parse_policy(policy))}
 
     return setup
 
@@ -122,6 +124,9 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
                 loop="step"),
     DecodeCache("kvq-int4-asym-static-step", "kvq asymmetric int4, static, compiled step loop", "int4-asym",
                 _kvq_static(ASYMMETRIC), loop="step"),
+    # KIVI-4: keys per channel over 32-token groups, which the exact window must hold
+    DecodeCache("kvq-kivi4-static-step", "kvq KIVI-4 g32, window 32, static, compiled step loop", "kivi4",
+                _kvq_static(quantizer=("kivi", 4, "per_token", 32), window=32), loop="step"),
     # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
     # static cache's mask, see kvq.gqa_attention).
     DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",

@@ -26,6 +26,8 @@ launched programmatically dependent, so each one's launch overlaps the kernel be
 the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
 """
 
+import dataclasses
+
 import torch
 
 from kvq.kernels import cuda_decode
@@ -47,6 +49,12 @@ def _padded_heads(gqa: int, k_groups: int, v_groups: int) -> int:
     return max(1 << (gqa - 1).bit_length(), triton_decode.MIN_DOT // min(k_groups, v_groups, triton_decode.MIN_DOT))
 
 
+def _query_groups(keys) -> int:
+    """Row blocks of the query in the Triton partial: one per key scale group, one where the keys' stats are per
+    channel over tokens (each tile folds them into the query)."""
+    return 1 if keys.token_group > 1 else keys.groups
+
+
 def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
     """None when the fused kernels serve this step; else why the reference does."""
     keys, values = step.keys, step.values
@@ -63,7 +71,12 @@ def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
         return f"fused decode attention needs a power-of-two head_dim >= {2 * triton_decode.MIN_DOT}, got {d}"
     if query.shape[1] % kv_heads:
         return "query heads must be a multiple of KV heads"
-    groups = (keys.groups, values.groups)
+    if values.token_group > 1:
+        return "value stats spanning tokens have no kernel"
+    group = keys.token_group
+    if group > 1 and (group & (group - 1) or group < triton_decode.MIN_DOT):
+        return f"per-channel key stats need a power-of-two token group >= {triton_decode.MIN_DOT}, got {group}"
+    groups = (_query_groups(keys), values.groups)
     if _padded_heads(query.shape[1] // kv_heads, *groups) * max(groups) > MAX_ROWS:
         return "query heads x scale groups per KV head exceed what one program holds"
     return None
@@ -74,8 +87,9 @@ def step_description(query: torch.Tensor, step: DecodeStep) -> str:
     def codes(packed) -> str:
         return f"int{packed.bits}" if packed.symmetric else f"uint{packed.bits} (with offsets)"
 
+    key_groups = f"per channel over {keys.token_group} tokens" if keys.token_group > 1 else keys.groups
     return (f"query {tuple(query.shape)} {query.dtype} over {codes(keys)} K and {codes(values)} V of "
-            f"{keys.codes.shape[1]} heads in {keys.groups} and {values.groups} scale groups")
+            f"{keys.codes.shape[1]} heads in {key_groups} and {values.groups} scale groups")
 
 
 def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float,
@@ -126,7 +140,8 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     n_packed, n_window = keys.codes.shape[2], step.window[0].shape[2]
     query, output_map = query.contiguous(), step.output_map.float().contiguous()
     capacity = rows_buffer(keys.codes)
-    if not (capacity == rows_buffer(keys.scales) == rows_buffer(values.codes) == rows_buffer(values.scales)):
+    if not (capacity == rows_buffer(keys.scales) * keys.token_group == rows_buffer(values.codes)
+            == rows_buffer(values.scales)):
         raise ValueError("packed K and V codes and scales must share one row capacity")
     window_capacity = rows_buffer(step.window[0])
     if rows_buffer(step.window[1]) != window_capacity:
@@ -139,8 +154,12 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     if cuda_partial:
         resident = cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, keys.bits, query.device).resident_blocks
     else:
-        shape = (gqa, _padded_heads(gqa, keys.groups, values.groups), d // 2, keys.bits, values.bits, keys.groups,
-                 values.groups, launch.block, int(not keys.symmetric), int(not values.symmetric))
+        if keys.token_group > 1:  # a tile within one token group
+            launch = dataclasses.replace(launch, block=min(launch.block, keys.token_group))
+        key_groups = _query_groups(keys)
+        shape = (gqa, _padded_heads(gqa, key_groups, values.groups), d // 2, keys.bits, values.bits, key_groups,
+                 values.groups, launch.block, int(not keys.symmetric), int(not values.symmetric),
+                 keys.token_group if keys.token_group > 1 else 0)
         constants = dict(SHAPE=shape, DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl,
                          num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts

@@ -38,6 +38,8 @@ def _power_of_two(n: int) -> bool:
 
 def unsupported_reason(layout: PackedLayout) -> str | None:
     """None when a fused kernel implements this layout exactly; else why not."""
+    if layout.token_group > 1:
+        return "stats spanning tokens (per channel over a token group) are written and read by the reference"
     if layout.rotation not in ROTATION_CODES:
         return f"rotation kind {layout.rotation} has no kernel (learned rotations run in torch)"
     if layout.bits not in KERNEL_BITS or layout.scale_dtype not in KERNEL_SCALE_DTYPES:
@@ -94,6 +96,20 @@ def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:
     negative = (signs < 0).to(torch.int64).view(-1, per_word)
     masks = (negative << (torch.arange(per_word, device=signs.device) * width + width - 1)).sum(-1)
     return (masks - (masks >> 31 << 32)).to(torch.int32)  # bit 31 set: the int32 with that bit pattern
+
+
+def packed_stats(packed: ScalarPacked, groups: int) -> torch.Tensor:
+    """A ScalarPacked's scales, then any offsets, as the kernels' stats rows (rows, groups or 2 groups), one row per
+    token, or per token group where its stats span tokens."""
+    stats = [packed.scale] if packed.offset is None else [packed.scale, packed.offset]
+    return torch.cat([s.reshape(-1, groups) for s in stats], dim=-1)
+
+
+def per_token_stats(stats: torch.Tensor, token_group: int, tokens: int) -> torch.Tensor:
+    """Stats rows (..., rows, .) of `token_group` tokens each -> the row each of `tokens` tokens reads."""
+    if token_group == 1:
+        return stats
+    return stats.repeat_interleave(token_group, dim=-2)[..., :tokens, :]
 
 
 def packed_codes(codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvq.kernels.plan import packed_codes
+from kvq.kernels.plan import packed_codes, per_token_stats
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarQuantizer
 
@@ -18,17 +18,25 @@ from kvq.quant.scalar import ScalarQuantizer
 @dataclass
 class PackedKV:
     """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role; unsigned
-    codes with offsets after the scales (B, H, T, 2 groups) where not `symmetric` (kvq.quant.layout)."""
+    codes with offsets after the scales (B, H, T, 2 groups) where not `symmetric`; one stats row per
+    `token_group` tokens (B, H, T / token_group, .) where the stats span tokens (kvq.quant.layout)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     bits: int
     head_dim: int
     symmetric: bool = True
+    token_group: int = 1
 
     def rows(self, n: int) -> "PackedKV":
-        """The first n tokens."""
-        return PackedKV(self.codes[..., :n, :], self.scales[..., :n, :], self.bits, self.head_dim, self.symmetric)
+        """The first n tokens (and the stats rows they read)."""
+        stats_rows = -(-n // self.token_group)
+        return PackedKV(self.codes[..., :n, :], self.scales[..., :stats_rows, :], self.bits, self.head_dim,
+                        self.symmetric, self.token_group)
+
+    def token_stats(self) -> torch.Tensor:
+        """The stats row each token reads, one per token (B, H, T, .)."""
+        return per_token_stats(self.scales, self.token_group, self.codes.shape[-2])
 
     @property
     def groups(self) -> int:
@@ -40,7 +48,8 @@ class PackedKV:
 
     def as_packed(self, dtype: torch.dtype) -> RotatedPacked:
         """The same codes as the reference quantizers' packed dataclass."""
-        return packed_codes(self.codes, self.scales, (*self.codes.shape[:-1], self.head_dim), dtype, self.symmetric)
+        return packed_codes(self.codes, self.token_stats(), (*self.codes.shape[:-1], self.head_dim), dtype,
+                            self.symmetric)
 
     def dequantized(self) -> torch.Tensor:
         """float32 codes x scales (+ offsets) in the quantizer's rotated domain (the reference ScalarQuantizer

@@ -185,6 +185,36 @@ def _query_sums(query, BITS: tl.constexpr):
 
 
 @triton.jit
+def _channel_query(ptr, row_offset, row_ok, scale, HALF: tl.constexpr):
+    """(GQA_P, HALF) even and odd query coordinates times scale, float32: the query that per-channel key scales
+    multiply (_channel_scaled_query)."""
+    pairs = tl.arange(0, HALF)
+    at = ptr + row_offset[:, None] + 2 * pairs[None, :]
+    even = tl.load(at, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
+    odd = tl.load(at + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
+    return even, odd
+
+@triton.jit
+def _channel_scaled_query(query, stats_ptr, HALF: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr,
+                          OFFSETS: tl.constexpr):
+    """Keys with a scale s and an offset z per channel over a token group (KIVI's), decoding c * s + z: the
+    group's query q * s in fp16 (its odd half over 16 for int4, as _grouped_query's) and each row's bias, the
+    int4 codes' biases (_query_bias) less q . z, so that q' . codes - bias = q . k. stats_ptr: the group's
+    row, scales then offsets."""
+    q_even, q_odd = query
+    pairs = tl.arange(0, HALF)
+    odd_step: tl.constexpr = 1.0 / HIGH_STEP if BITS == 4 else 1.0
+    s_even = tl.load(stats_ptr + 2 * pairs).to(tl.float32)
+    s_odd = tl.load(stats_ptr + 2 * pairs + 1).to(tl.float32) * odd_step
+    scaled = ((q_even * s_even[None, :]).to(tl.float16), (q_odd * s_odd[None, :]).to(tl.float16))
+    bias = _query_bias(scaled, BITS, SIGNED)
+    if OFFSETS:
+        z_even = tl.load(stats_ptr + 2 * HALF + 2 * pairs).to(tl.float32)
+        z_odd = tl.load(stats_ptr + 2 * HALF + 2 * pairs + 1).to(tl.float32)
+        bias -= tl.sum(q_even * z_even[None, :], 1) + tl.sum(q_odd * z_odd[None, :], 1)
+    return scaled, bias
+
+@triton.jit
 def _own_columns(acc, GQA_P: tl.constexpr):
     """(GROUPS * GQA_P, HALF) -> (GQA_P, HALF): each coordinate from its own group's row block."""
     GROUPS: tl.constexpr = acc.shape[0] // GQA_P
@@ -214,8 +244,10 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     window: (keys, values), (B, Hkv, window_capacity, d); partials: (sums (B, Hq, splits, d), maxima and
     normalizers (B, Hq, splits)); all contiguous. counts: (n_packed, n_window, tokens_per_split, capacity,
     window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS,
-    V_OFFSETS): K and V codes of their own widths (4 or 8), signed, or unsigned with offsets after the scales
-    where K_OFFSETS / V_OFFSETS (an asymmetric layout).
+    V_OFFSETS, K_TOKEN_GROUP): K and V codes of their own widths (4 or 8), signed, or unsigned with offsets after
+    the scales where K_OFFSETS / V_OFFSETS (an asymmetric layout); where K_TOKEN_GROUP > 0, keys with stats per
+    channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one stats row per token group, which each
+    tile folds into the query (_channel_scaled_query).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
     whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
     counts come from lengths_ptr (see device_lengths) instead of counts."""
@@ -229,7 +261,8 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     BLOCK: tl.constexpr = SHAPE[7]
     K_OFFSETS: tl.constexpr = SHAPE[8]
     V_OFFSETS: tl.constexpr = SHAPE[9]
-    K_STATS: tl.constexpr = K_GROUPS * (1 + K_OFFSETS)
+    K_TOKEN_GROUP: tl.constexpr = SHAPE[10]
+    K_STATS: tl.constexpr = (2 * HALF if K_TOKEN_GROUP > 0 else K_GROUPS) * (1 + K_OFFSETS)
     V_STATS: tl.constexpr = V_GROUPS * (1 + V_OFFSETS)
     K_SIGNED: tl.constexpr = 1 - K_OFFSETS
     V_SIGNED: tl.constexpr = 1 - V_OFFSETS
@@ -255,22 +288,33 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     acc_offset = tl.zeros([V_GROUPS * GQA_P], tl.float32)
     row = pid_bh.to(tl.int64) * capacity
     if split < n_splits - 1:
-        query = _grouped_query(qmap_ptr, q_offset, row_ok, (scale, scale / HIGH_STEP if K_BITS == 4 else scale),
-                               HALF, K_GROUPS, GQA_P)
-        k_bias = _query_bias(query, K_BITS, K_SIGNED)
+        if K_TOKEN_GROUP > 0:
+            channel_query = _channel_query(qmap_ptr, q_offset, row_ok, scale, HALF)
+            query = (channel_query[0].to(tl.float16), channel_query[1].to(tl.float16))  # replaced per tile
+            k_bias = tl.zeros([GQA_P], tl.float32)
+            ks = keys[1] + (row // K_TOKEN_GROUP) * K_STATS
+        else:
+            query = _grouped_query(qmap_ptr, q_offset, row_ok,
+                                   (scale, scale / HIGH_STEP if K_BITS == 4 else scale), HALF, K_GROUPS, GQA_P)
+            k_bias = _query_bias(query, K_BITS, K_SIGNED)
+            ks = keys[1] + row * K_STATS
         q_sums = _query_sums(query, K_BITS)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_packed)
         kc = keys[0] + row * (HALF * K_BITS // 4)
         vc = values[0] + row * (HALF * V_BITS // 4)
-        ks = keys[1] + row * K_STATS
         vs = values[1] + row * V_STATS
         for t0 in range(start, end, BLOCK):
             tokens = t0 + tl.arange(0, BLOCK)
             valid = tokens < end
-            k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS)
+            if K_TOKEN_GROUP > 0:
+                query, k_bias = _channel_scaled_query(channel_query, ks + (t0 // K_TOKEN_GROUP) * K_STATS, HALF,
+                                                      K_BITS, K_SIGNED, K_OFFSETS)
+                k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
+            else:
+                k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS)
             k_offsets = k_scales  # unread without offsets
-            if K_OFFSETS:
+            if K_OFFSETS and K_TOKEN_GROUP == 0:
                 k_offsets = _load_scales(ks + K_GROUPS, tokens, valid, K_GROUPS, K_STATS)
             v_scales = _load_scales(vs, tokens, valid, V_GROUPS, V_STATS)
             v_offsets = v_scales
@@ -279,8 +323,8 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             m_i, l_i, acc_even, acc_odd, acc_offset = _online_softmax_step(
                 query, k_bias, _load_codes(kc, tokens, valid, K_BITS, HALF, False, K_SIGNED),
                 (k_scales, k_offsets, q_sums), _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED),
-                (v_scales, v_offsets), valid, (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK, K_OFFSETS,
-                V_OFFSETS)
+                (v_scales, v_offsets), valid, (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK,
+                K_OFFSETS and K_TOKEN_GROUP == 0, V_OFFSETS)
     else:
         query = _grouped_query(q_ptr, q_offset, row_ok, (scale, scale), HALF, K_GROUPS, GQA_P)
         window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)

@@ -39,6 +39,9 @@ class Quantizer(ABC):
 
     stored_bits = 0
     stored_elements = 0
+    # Consecutive positions whose codes share stats (KIVI's keys: a scale per channel over a group of tokens): a
+    # cache quantizes them together once the group is whole and holds the tokens short of one exact until then.
+    token_group = 1
 
     def packed_form(self) -> "PackedForm | None":
         """The PackedLayout, with its constants, that kernels and the fused cache read this quantizer's storage
@@ -57,6 +60,12 @@ class Quantizer(ABC):
 
     def metered_encode(self, x: torch.Tensor) -> Packed:
         return self.meter(self.encode(x), x.numel())
+
+    def rewind(self, n_elements: int, bits_per_element: float) -> None:
+        """Takes back an earlier call's storage of n_elements that a later call encodes again (tokens held exact
+        until their token group is whole)."""
+        self.stored_bits -= round(n_elements * bits_per_element)
+        self.stored_elements -= n_elements
 
     def meter(self, packed: Packed, n_elements: int) -> Packed:
         """Adds one encode call's storage to the running totals (also for kernel-made packings)."""

@@ -6,7 +6,14 @@ group stay in fp16 until they do, as in KIVI's streaming cache.
 
 Method card. KIVI's full-precision window of recent tokens is not this quantizer's: it is the shared
 evaluation protocol's `window` (kvq.protocol), which gives every method the same exact window and
-charges it in the bits per element, so KIVI is compared at its true cost.
+charges it in the bits per element, so KIVI is compared at its true cost. Under a protocol with a window, the
+eager protocol cache (kvq.apply) and the static cache hold a group's tokens exact until later writes make it
+whole (`token_group`), as KIVI's streaming cache does; the default protocol's write cache encodes each write
+alone.
+
+Packed layouts (kvq.quant.layout): keys are unsigned codes per token with a scale and an offset per channel and
+token group (group_size 1 over `token_group` tokens), values unsigned codes with a scale and an offset per token
+and channel group, both with fp16 stats.
 """
 
 from dataclasses import dataclass
@@ -15,6 +22,7 @@ import torch
 
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.config import QuantizerConfig, register_quantizer
+from kvq.quant.layout import PackedForm, PackedLayout
 from kvq.quant.scalar import ScalarPacked, ScalarQuantizer
 from kvq.quant.spec import Site
 
@@ -31,11 +39,17 @@ class KIVIPacked(Packed):
 
 
 class KIVI(Quantizer):
-    def __init__(self, role: str, bits: int, group_size: int = 32):
+    def __init__(self, role: str, bits: int, group_size: int, d: int):
         self.role = role
-        self.group_size = group_size
+        self.group_size = self.token_group = group_size
         granularity = "per_channel" if role == "k" else "per_group"
         self.inner = ScalarQuantizer(bits, granularity, group_size, symmetric=False, scale_dtype="float16")
+        self.inner.grouping(d)  # a value group that does not divide head_dim fails here, at build
+        if role == "k":
+            layout = PackedLayout(d, bits, 1, torch.float16, symmetric=False, token_group=group_size)
+        else:
+            layout = PackedLayout(d, bits, group_size, torch.float16, symmetric=False)
+        self._form = PackedForm(layout, torch.ones(d), torch.eye(d))
 
     def quantized_tokens(self, n_tokens: int) -> int:
         return n_tokens // self.group_size * self.group_size
@@ -65,6 +79,12 @@ class KIVI(Quantizer):
         inner = self.inner.bits_per_element(d, self.group_size) if n_quant else 0.0
         return (n_quant * inner + (n_tokens - n_quant) * 16) / n_tokens
 
+    def packed_form(self) -> PackedForm:
+        return self._form
+
+    def packing_reason(self) -> None:
+        return None
+
 
 @register_quantizer("kivi")
 @dataclass(frozen=True)
@@ -76,4 +96,4 @@ class KIVIConfig(QuantizerConfig):
     seeded = False
 
     def build(self, site: Site, seed: int) -> Quantizer:
-        return KIVI(site.role, self.bits, self.group_size)
+        return KIVI(site.role, self.bits, self.group_size, site.d)

@@ -1,8 +1,9 @@
 """What a quantizer stores, declared for the kernels: its PackedLayout and the constants that go with it.
 
 A quantizer that stores rows as scalar codes per token or per token-group, symmetric or with offsets (zero
-points), after a rotation and a per-channel lambda (y = lam * (R x), SRFT paper Sec. 5.1) declares a PackedForm; kvq.ops and the fused cache read only
-that, never the quantizer's attributes. Quantizers that store anything else declare none.
+points), after a rotation and a per-channel lambda (y = lam * (R x), SRFT paper Sec. 5.1), or as KIVI's keys
+(per channel over groups of tokens) declares a PackedForm; kvq.ops and the caches read only that, never the
+quantizer's attributes. Quantizers that store anything else declare none.
 """
 
 from dataclasses import dataclass, field
@@ -16,10 +17,13 @@ SIGNED_ROTATIONS = ("identity", "srht", "srft")
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """Codes of `bits` bits per coordinate, packed little-end first, `head_dim` / `group_size` scales per row
-    (one per token when group_size == head_dim) in `scale_dtype`, after rotation `rotation`. A symmetric layout
-    holds signed codes c and decodes c * scale; an asymmetric one holds unsigned codes c and, after its scales,
-    as many offsets of the same dtype, and decodes c * scale + offset: its rows' `stats` are both."""
+    """Codes of `bits` bits per coordinate, packed little-end first, one row per token, after rotation
+    `rotation`; a scale in `scale_dtype` per `group_size` coordinates and `token_group` tokens, so a stats row
+    of head_dim / group_size scales per token (one per token when group_size == head_dim), or, where
+    token_group > 1, per token_group consecutive tokens (KIVI's keys: group_size 1, one scale per channel). A
+    symmetric layout holds signed codes c and decodes c * scale; an asymmetric one holds unsigned codes c and,
+    after its scales, as many offsets of the same dtype, and decodes c * scale + offset: a stats row holds both.
+    """
 
     head_dim: int
     bits: int
@@ -27,6 +31,11 @@ class PackedLayout:
     scale_dtype: torch.dtype = torch.float32
     symmetric: bool = True
     rotation: str = "identity"
+    token_group: int = 1
+
+    def __post_init__(self):
+        if self.token_group > 1 and self.group_size != 1:
+            raise ValueError("stats spanning tokens are per channel: token_group > 1 takes group_size 1")
 
     @property
     def code_bytes(self) -> int:
@@ -38,7 +47,7 @@ class PackedLayout:
 
     @property
     def stats(self) -> int:
-        """Scales, then offsets where the layout is asymmetric, per row."""
+        """Scales, then offsets where the layout is asymmetric, per stats row."""
         return self.groups if self.symmetric else 2 * self.groups
 
 
