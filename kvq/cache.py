@@ -187,9 +187,11 @@ class FusedLayer(WindowedLayer):
         for quantizer in self.quantizers.values():
             if quantizer.packed_form() is None:
                 raise KvqError(f"the fused cache stores packed layouts only: {quantizer.packing_reason()}")
-            if quantizer.packed_form().layout.token_group > 1:
-                raise KvqError(f"the fused cache stores stats per token; {type(quantizer).__name__}'s span tokens "
-                               "(the static quantized cache holds them)")
+            layout = quantizer.packed_form().layout
+            if layout.token_group > 1 or layout.codebook:
+                what = "stats span tokens" if layout.token_group > 1 else "codes index a codebook"
+                raise KvqError(f"the fused cache stores scalar codes with stats per token; "
+                               f"{type(quantizer).__name__}'s {what} (the static quantized cache holds them)")
         self.forms = {role: quantizer.packed_form() for role, quantizer in self.quantizers.items()}
         self.stores: dict[str, PackedStore] = {}
         self.raw: dict[str, torch.Tensor] = {}

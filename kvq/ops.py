@@ -18,7 +18,8 @@ from kvq.kernels import backend_for, note_fallback
 from kvq.kernels.plan import kernel_constants, packed_codes, packed_stats, per_token_stats, unsupported_reason
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
 from kvq.quant.base import Packed, Quantizer
-from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
+from kvq.quant.layout import CODEBOOK_NORM_FLOOR, SIGNED_ROTATIONS, PackedForm, PackedLayout
+from kvq.quant.packing import pack, unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
 from kvq.rotations import MatrixRotation, Rotation, signed_rotation
@@ -31,8 +32,8 @@ SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 
 
 def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, symmetric: bool,
-            rotation_kind: str, token_group: int) -> PackedLayout:
-    return PackedLayout(head_dim, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group)
+            rotation_kind: str, token_group: int, codebook: bool) -> PackedLayout:
+    return PackedLayout(head_dim, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook)
 
 
 def _rotation(rotation: torch.Tensor, kind: str) -> Rotation:
@@ -45,10 +46,17 @@ def _scalar(layout: PackedLayout, granularity: str = "per_group") -> ScalarQuant
 
 
 def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
-                       layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+                       layout: PackedLayout, codebook: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RotatedQuantizer.encode's arithmetic on (n, d) rows -> codes and stats (scales, then any offsets); where
-    the stats span tokens, KIVI's per-channel arithmetic over each `token_group` consecutive rows (n a multiple).
-    rotation: the signs (d,) of a signed rotation kind, else its matrix (d, d)."""
+    the stats span tokens, KIVI's per-channel arithmetic over each `token_group` consecutive rows (n a multiple);
+    for a codebook layout TurboQuant_mse's (Alg. 1: the norm, then the nearest level of each coordinate of the
+    rotated unit vector). rotation: the signs (d,) of a signed rotation kind, else its matrix (d, d)."""
+    if layout.codebook:
+        xf = rows.float()
+        norm = xf.norm(dim=-1, keepdim=True).to(layout.scale_dtype)
+        unit = _rotation(rotation, layout.rotation).forward(xf / norm.float().clamp_min(CODEBOOK_NORM_FLOOR))
+        codes = torch.bucketize(unit, (codebook[1:] + codebook[:-1]) / 2)
+        return pack(codes.to(torch.int16), layout.bits), norm
     y = _rotation(rotation, layout.rotation).forward(rows.float())
     if lam is not None:
         y = y * lam.float()
@@ -60,8 +68,13 @@ def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Te
 
 
 def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor,
-                         lam: torch.Tensor | None, layout: PackedLayout, dtype: torch.dtype) -> torch.Tensor:
-    """RotatedQuantizer.decode's arithmetic, in `dtype` (each token group's stats serving its every row)."""
+                         lam: torch.Tensor | None, layout: PackedLayout, dtype: torch.dtype,
+                         codebook: torch.Tensor | None = None) -> torch.Tensor:
+    """RotatedQuantizer.decode's arithmetic, in `dtype` (each token group's stats serving its every row); a
+    codebook layout's as TurboQuant_mse decodes: the levels rotated back, times the norm."""
+    if layout.codebook:
+        unit = codebook[unpack(codes, layout.bits, layout.head_dim, signed=False).long()]
+        return (_rotation(rotation, layout.rotation).inverse(unit) * scales.float()).to(dtype)
     n = codes.shape[0]
     inner = packed_codes(codes, per_token_stats(scales, layout.token_group, n), (n, layout.head_dim), dtype,
                          layout.symmetric).inner
@@ -72,58 +85,62 @@ def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: to
 
 
 def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, symmetric: bool,
-                    rotation_kind: str, token_group: int) -> PackedLayout:
+                    rotation_kind: str, token_group: int, codebook: torch.Tensor | None) -> PackedLayout:
     d = codes.shape[-1] * 8 // bits
     groups = scales.shape[-1] if symmetric else scales.shape[-1] // 2
-    return _layout(d, bits, d // groups, scales.dtype, symmetric, rotation_kind, token_group)
+    return _layout(d, bits, d // groups, scales.dtype, symmetric, rotation_kind, token_group, codebook is not None)
 
 
 @torch.library.custom_op("kvq::quantize", mutates_args=())
 def _quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, bits: int, group_size: int,
-              scale_dtype: torch.dtype, symmetric: bool, rotation_kind: str,
-              token_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+              scale_dtype: torch.dtype, symmetric: bool, rotation_kind: str, token_group: int,
+              codebook: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, d) rows -> codes (n, d * bits / 8) uint8 and stats (n / token_group, layout.stats): d / group_size
-    scales, then as many offsets where not `symmetric`."""
-    return reference_quantize(rows, rotation, lam, _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric,
-                                                           rotation_kind, token_group))
+    scales, then as many offsets where not `symmetric`; with a codebook, its indices and one scale per row."""
+    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
+                     codebook is not None)
+    return reference_quantize(rows, rotation, lam, layout, codebook)
 
 
 @_quantize.register_fake
-def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group):
+def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook):
     n, d = rows.shape
-    layout = _layout(d, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group)
+    layout = _layout(d, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook is not None)
     return (rows.new_empty(n, layout.code_bytes, dtype=torch.uint8),
             rows.new_empty(n // token_group, layout.stats, dtype=scale_dtype))
 
 
 @torch.library.custom_op("kvq::dequantize", mutates_args=())
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
-                bits: int, dtype: torch.dtype, symmetric: bool, rotation_kind: str, token_group: int) -> torch.Tensor:
+                bits: int, dtype: torch.dtype, symmetric: bool, rotation_kind: str, token_group: int,
+                codebook: torch.Tensor | None) -> torch.Tensor:
     """codes (n, d * bits / 8) and stats (n / token_group, layout.stats) -> rows (n, d) of `dtype`."""
-    return reference_dequantize(codes, scales, rotation, lam,
-                                _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group), dtype)
+    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group, codebook)
+    return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook)
 
 
 @_dequantize.register_fake
-def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group):
+def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group, codebook):
     return codes.new_empty(codes.shape[0], codes.shape[-1] * 8 // bits, dtype=dtype)
 
 
-def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group):
-    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group)
+def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
+                     codebook):
+    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
+                     codebook is not None)
     reason = unsupported_reason(layout)
     if reason is not None:
         note_fallback("kvq::quantize", layout, reason)
-        return reference_quantize(rows, rotation, lam, layout)
+        return reference_quantize(rows, rotation, lam, layout, codebook)
     return backend_for(rows.device).quantize(layout, kernel_constants(rotation, lam), rows.contiguous())
 
 
-def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group):
-    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group)
+def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group, codebook):
+    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group, codebook)
     reason = unsupported_reason(layout)
     if reason is not None:
         note_fallback("kvq::dequantize", layout, reason)
-        return reference_dequantize(codes, scales, rotation, lam, layout, dtype)
+        return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook)
     return backend_for(codes.device).dequantize(layout, kernel_constants(rotation, lam), codes.contiguous(),
                                                 scales.contiguous(), dtype)
 
@@ -138,13 +155,15 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
                       key_scales: torch.Tensor, value_codes: torch.Tensor, value_scales: torch.Tensor,
                       window_keys: torch.Tensor, window_values: torch.Tensor, output_map: torch.Tensor, scale: float,
                       key_bits: int, value_bits: int, key_symmetric: bool, value_symmetric: bool,
-                      key_token_group: int, value_token_group: int, counts: torch.Tensor | None) -> torch.Tensor:
+                      key_token_group: int, value_token_group: int, key_codebook: torch.Tensor | None,
+                      value_codebook: torch.Tensor | None, counts: torch.Tensor | None) -> torch.Tensor:
     """counts: None to attend over every row given, or a one-element int64 tensor holding
     device_lengths(packed rows, window rows): the leading rows of the buffers that count. CUDA runs the kernels
     where the layout has them; everything else the reference."""
     d = query.shape[-1]
-    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d, key_symmetric, key_token_group),
-                      PackedKV(value_codes, value_scales, value_bits, d, value_symmetric, value_token_group),
+    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d, key_symmetric, key_token_group, key_codebook),
+                      PackedKV(value_codes, value_scales, value_bits, d, value_symmetric, value_token_group,
+                               value_codebook),
                       (window_keys, window_values), query_map, output_map)
     if query.is_cuda:
         # The kernels' modules are imported here, on CUDA only: a CPU measurement never loads them (kvq.fingerprint
@@ -163,7 +182,8 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
 
 @_decode_attention.register_fake
 def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
-      scale, key_bits, value_bits, key_symmetric, value_symmetric, key_token_group, value_token_group, counts):
+      scale, key_bits, value_bits, key_symmetric, value_symmetric, key_token_group, value_token_group, key_codebook,
+      value_codebook, counts):
     return torch.empty_like(query)
 
 
@@ -184,7 +204,7 @@ def quantize(rows: torch.Tensor, form: PackedForm) -> tuple[torch.Tensor, torch.
     layout = form.layout
     codes, scales = torch.ops.kvq.quantize(rows.reshape(-1, layout.head_dim), form.rotation_input, form.lam,
                                            layout.bits, layout.group_size, layout.scale_dtype, layout.symmetric,
-                                           layout.rotation, layout.token_group)
+                                           layout.rotation, layout.token_group, form.codebook)
     lead = rows.shape[:-1]
     return codes.view(*lead, layout.code_bytes), scales.view(*lead[:-1], -1, layout.stats)
 
@@ -196,7 +216,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtyp
     layout = form.layout
     rows = torch.ops.kvq.dequantize(codes.reshape(-1, layout.code_bytes), scales.reshape(-1, layout.stats),
                                     form.rotation_input, form.lam, layout.bits, dtype, layout.symmetric,
-                                    layout.rotation, layout.token_group)
+                                    layout.rotation, layout.token_group, form.codebook)
     return rows.view(*codes.shape[:-1], layout.head_dim)
 
 
@@ -214,14 +234,16 @@ def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts
     return torch.ops.kvq.decode_attention(query, step.query_map, keys.codes, keys.scales, values.codes,
                                           values.scales, *step.window, step.output_map, float(scale), keys.bits,
                                           values.bits, keys.symmetric, values.symmetric, keys.token_group,
-                                          values.token_group, counts)
+                                          values.token_group, keys.codebook, values.codebook, counts)
 
 
 def _row_form(quantizer: Quantizer) -> PackedForm | None:
-    """The quantizer's packed form where its stats are per token (encode and decode take rows through the ops);
-    stats that span tokens leave a write's last, partial group to the quantizer (KIVI's exact tokens)."""
+    """The quantizer's packed form where its codes are scalar codes with per-token stats, which a kernel may write
+    (encode and decode take rows through the ops); stats that span tokens leave a write's last, partial group to
+    the quantizer (KIVI's exact tokens), and codebook codes, which no kernel writes, its own arithmetic."""
     form = quantizer.packed_form()
-    return form if form is not None and form.layout.token_group == 1 else None
+    plain = form is not None and form.layout.token_group == 1 and not form.layout.codebook
+    return form if plain else None
 
 
 def encode(quantizer: Quantizer, x: torch.Tensor) -> Packed:

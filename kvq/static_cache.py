@@ -169,15 +169,15 @@ class StaticQuantizedLayer(StaticKVLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._start(key_states)
         lead = key_states.shape[:2]
+        self.forms = {role: form.on(self.device) for role, form in self.forms.items()}
         for role, form in self.forms.items():
             layout = form.layout
             self.packed[role] = ops.PackedKV(
                 torch.zeros(*lead, self.capacity, layout.code_bytes, dtype=torch.uint8, device=self.device),
                 torch.zeros(*lead, self.capacity // layout.token_group, layout.stats, dtype=layout.scale_dtype,
                             device=self.device),
-                layout.bits, layout.head_dim, layout.symmetric, layout.token_group)
+                layout.bits, layout.head_dim, layout.symmetric, layout.token_group, form.codebook)
             self.ring[role] = key_states.new_zeros(*lead, self.window, layout.head_dim)
-        self.forms = {role: form.on(self.device) for role, form in self.forms.items()}
         for form in self.forms.values():  # builds the kernels and the constants they keep, outside any graph
             rows = key_states.new_zeros(form.layout.token_group, form.layout.head_dim)
             ops.dequantize(*ops.quantize(rows, form), form, self.dtype)
@@ -190,7 +190,8 @@ class StaticQuantizedLayer(StaticKVLayer):
         return [*(t for p in self.packed.values() for t in (p.codes, p.scales)), *self.ring.values()]
 
     def _tensors(self) -> list[torch.Tensor]:
-        constants = [t for form in self.forms.values() for t in (form.signs, form.matrix, form.lam) if t is not None]
+        constants = [t for form in self.forms.values() for t in (form.signs, form.matrix, form.lam, form.codebook)
+                     if t is not None]
         return [*super()._tensors(), self.counts, self.maps.query, self.maps.output, *constants]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

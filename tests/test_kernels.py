@@ -14,9 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEVICES, random_packed, requires_cuda
 
 from kvq import ops
+from kvq.apply import KVGeometry, QuantizerBank
+from kvq.cache import DomainMaps
 from kvq.kernels import cuda_decode
 from kvq.kernels.backends import KernelBackend
 from kvq.kernels.decode_attention import decode_attention_gpu
@@ -25,6 +28,7 @@ from kvq.kernels.launch import LaunchConfig, resident_programs, split_counts
 from kvq.kernels.plan import kernel_constants, kernel_defines, packed_codes, unsupported_reason
 from kvq.kernels.source import kernel_text, translation_unit
 from kvq.kernels.step import DecodeStep, decode_attention_reference
+from kvq.quant import QuantSpec
 from kvq.quant.kivi import KIVI
 from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedQuantizer
@@ -165,25 +169,31 @@ def test_learned_rotations_take_the_reference_through_their_matrix():
     torch.testing.assert_close(ops.decode(learned, ops.encode(learned, x)), learned(x), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["symmetric", "asymmetric", "kivi"])
+@pytest.mark.parametrize("layout", ["symmetric", "asymmetric", "kivi", "codebook"])
 def test_ops_are_custom_ops_that_compile_without_graph_breaks(layout):
-    """Per-token codes (signed, or unsigned with offsets), and KIVI's: keys per channel over 16-token groups."""
-    symmetric = layout == "symmetric"
+    """Per-token codes (signed, or unsigned with offsets), KIVI's (keys per channel over 16-token groups), and
+    TurboQuant_mse's codebook codes."""
     token_group = 16 if layout == "kivi" else 1
     if layout == "kivi":
         form = KIVI("k", 4, token_group, 64).packed_form()
+    elif layout == "codebook":
+        form = QuantizerBank(QuantSpec("turbo", 4), KVGeometry(1, 2, 64)).get(0, "k").packed_form()
     else:
-        form = quantizer("srft", 64, 4, "per_group", 16, lam=True, symmetric=symmetric).packed_form()
-    layout = form.layout
+        form = quantizer("srft", 64, 4, "per_group", 16, lam=True, symmetric=layout == "symmetric").packed_form()
+    layout, symmetric = form.layout, form.layout.symmetric
     rows = torch.randn(2 * token_group, 64)
     codes, scales = ops.quantize(rows, form)
     torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.signs, form.lam, 4, layout.group_size,
                                                            layout.scale_dtype, symmetric, layout.rotation,
-                                                           token_group))
+                                                           token_group, form.codebook))
     torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scales, form.signs, form.lam, 4, torch.float32,
-                                                             symmetric, layout.rotation, token_group))
-    keys = random_packed(1, 2, 9, 64, 4, 16, "cpu", symmetric=symmetric, token_group=token_group)
-    values = random_packed(1, 2, 9 if token_group == 1 else 16, 64, 4, 16, "cpu", symmetric=symmetric).rows(9)
+                                                             symmetric, layout.rotation, token_group, form.codebook))
+    if layout.codebook:
+        keys, values = (ops.PackedKV(*ops.quantize(torch.randn(1, 2, 9, 64), form), 4, 64, codebook=form.codebook)
+                        for _ in range(2))
+    else:
+        keys = random_packed(1, 2, 9, 64, 4, 16, "cpu", symmetric=symmetric, token_group=token_group)
+        values = random_packed(1, 2, 9 if token_group == 1 else 16, 64, 4, 16, "cpu", symmetric=symmetric).rows(9)
     window = torch.randn(1, 2, 3, 64)
     step = DecodeStep(keys, values, (window, window), form.matrix.T, form.matrix)
     query = torch.randn(1, 4, 64)
@@ -480,6 +490,34 @@ def test_kivi_layouts_through_the_ops_are_kivis_own_arithmetic(bits, d, group, r
     assert torch.equal(offsets, own.offset.reshape(offsets.shape))
     assert stats.shape[-2] == (4 if role == "k" else 4 * group)  # a stats row per token group, or per token
     assert torch.equal(ops.dequantize(codes, stats, kivi.packed_form(), torch.float32), kivi.decode(kivi.encode(x)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rotation", ["srft", "srht", "haar"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_turbo_codebook_layout_through_the_ops_is_turboquants_own_arithmetic(bits, rotation, device):
+    """TurboQuant_mse's codebook codes: kvq.ops' codes and norms equal TurboQuant's own encode, their decode its
+    decode; and decode attention over them (in the rotated domain, the query mapped by R^T) equals SDPA over the
+    quantizer's decoded K/V."""
+    geometry = KVGeometry(1, 2, 64)
+    bank = QuantizerBank(QuantSpec("turbo", bits, options={"rotation": rotation}), geometry)
+    forms, states, own = {}, {}, {}
+    generator = torch.Generator().manual_seed(bits)
+    for role in ("k", "v"):
+        turbo = bank.get(0, role)
+        forms[role] = turbo.packed_form()
+        x = (torch.randn(2, 2, 37, 64, generator=generator) * 3).to(device)
+        codes, norms = ops.quantize(x, forms[role])
+        packed = turbo.encode(x)
+        assert torch.equal(codes, packed.codes) and torch.equal(norms, packed.norm)
+        own[role] = turbo.decode(packed)
+        assert torch.equal(ops.dequantize(codes, norms, forms[role], torch.float32), own[role])
+        states[role] = ops.PackedKV(codes, norms, bits, 64, codebook=forms[role].on(x.device).codebook)
+    empty = torch.zeros(2, 2, 0, 64, device=device)
+    step = DomainMaps(forms["k"], forms["v"], torch.device(device)).step(states["k"], states["v"], (empty, empty))
+    query = torch.randn(2, 4, 64, generator=generator).to(device)
+    expected = F.scaled_dot_product_attention(query.unsqueeze(-2), own["k"], own["v"], scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(ops.decode_attention(query, step, 0.125), expected.squeeze(-2), atol=1e-5, rtol=0)
 
 
 @requires_cuda

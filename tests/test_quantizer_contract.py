@@ -47,8 +47,8 @@ def assert_packed_layout_round_trips_through_the_ops(name: str, granularity: str
         assert quantizer.packing_reason()
         return
     layout = form.layout
-    if layout.token_group > 1:  # stats spanning tokens (KIVI's keys): whole groups through the ops
-        assert_token_groups_round_trip_through_the_ops(quantizer, form)
+    if layout.token_group > 1 or layout.codebook:  # KIVI's keys, TurboQuant's codebook codes: its own encode
+        assert_the_ops_decode_its_codes_as_it_does(quantizer, form)
         return
     row_bits = 8 * (layout.code_bytes + layout.groups * layout.scale_dtype.itemsize)
     assert quantizer.bits_per_element(D, TOKENS) == row_bits / D
@@ -65,9 +65,10 @@ def assert_packed_layout_round_trips_through_the_ops(name: str, granularity: str
         assert through_ops.stored_bits == direct.stored_bits and through_ops.stored_elements == direct.stored_elements
 
 
-def assert_token_groups_round_trip_through_the_ops(quantizer, form) -> None:
-    """Over whole token groups the quantizer stores its layout's codes and a stats row per group, and the ops
-    decode them to what the quantizer's own decode gives."""
+def assert_the_ops_decode_its_codes_as_it_does(quantizer, form) -> None:
+    """A layout whose encode the ops leave to the quantizer (stats spanning tokens, codebook codes): over whole
+    token groups it stores the layout's codes and a stats row per group (per token), and the ops decode them to
+    what the quantizer's own decode gives."""
     layout = form.layout
     whole = half_input()[..., :TOKENS // layout.token_group * layout.token_group, :]
     stats_bits = 8 * layout.stats * layout.scale_dtype.itemsize / layout.token_group

@@ -101,17 +101,23 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
     assert torch.equal(fused_tokens, expected_tokens)
 
 
+FRONTIER = {"kivi2": QuantSpec("kivi", 2, group_size=16), "kivi4": QuantSpec("kivi", 4, group_size=16),
+            "kivi8": QuantSpec("kivi", 8, group_size=16), "turbo3": QuantSpec("turbo", 3),
+            "turbo4": QuantSpec("turbo", 4)}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("spec", FRONTIER.values(), ids=FRONTIER.keys())
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
-def test_kivi_in_the_static_cache_matches_the_eager_streaming_protocol_cache(kind, bits, device):
+def test_frontier_layouts_in_the_static_cache_match_the_eager_protocol_cache(kind, spec, device):
     """KIVI's keys share stats per channel over 16 positions: the static cache quantizes a group again at each
     write until it is whole, the eager cache holds a write's tokens short of a group exact until the next write
-    fills it; with a 16-token window both read the same codes. 40 prompt tokens and 30 steps cross four group
-    boundaries, with the window past them; the decode steps under fused_decoding read the per-channel codes in
-    the kernels (int4 and int8; the reference reads 2-bit codes)."""
+    fills it; with a 16-token window both read the same codes. TurboQuant_mse's codebook codes (SRFT, Lloyd-Max
+    levels, an fp16 norm per token) are held as they are. 40 prompt tokens and 30 steps cross four group
+    boundaries, with the window past them; the decode steps under fused_decoding read KIVI's int4 and int8 codes in
+    the kernels on CUDA (the reference reads 2-bit and codebook codes)."""
     model = tiny(kind).to(device)
-    bank = QuantizerBank(QuantSpec("kivi", bits, group_size=16), kv_geometry(model.config))
+    bank = QuantizerBank(spec, kv_geometry(model.config))
     prompt = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
     window = 16
     with quantized_kv(model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:

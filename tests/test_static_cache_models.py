@@ -1,8 +1,8 @@
 """The static cache on real models, SRFT-4 in groups of 32 alone and with Qwen2's fp boundary layers (a policy that
-helps it on Qwen2.5, RESULTS.md), and KIVI-2 and KIVI-4 (the frontier there): a prompt prefilled, then tokens of
-the text teacher-forced one decode step at a time, through the static cache (decode steps attending from the
-codes) and through the reference protocol cache; each step's log-probability of the text's next token must agree
-to float rounding.
+helps it on Qwen2.5, RESULTS.md), KIVI-2 and KIVI-4 (the frontier there) and TurboQuant-3 and -4 (SmolLM2's): a
+prompt prefilled, then tokens of the text teacher-forced one decode step at a time, through the static cache
+(decode steps attending from the codes) and through the reference protocol cache; each step's log-probability of
+the text's next token must agree to float rounding.
 
 A whole-sequence perplexity through the static cache is not this comparison: there every token after the window
 is quantized by a decode step, and a code that one last bit flips changes every later step, so the two caches'
@@ -28,6 +28,8 @@ LAYOUTS = {  # (base spec, per-site policy, window): KIVI's window holds a whole
                               {"layers": [{"first": 1, "use": "fp"}, {"last": 1, "use": "fp"}]}, 8),
     "kivi2-g32": (QuantSpec("kivi", 2, group_size=32), None, 32),
     "kivi4-g32": (QuantSpec("kivi", 4, group_size=32), None, 32),
+    "turbo3": (QuantSpec("turbo", 3), None, 8),
+    "turbo4": (QuantSpec("turbo", 4), None, 8),
 }
 
 

@@ -73,6 +73,8 @@ def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
         return "query heads must be a multiple of KV heads"
     if values.token_group > 1:
         return "value stats spanning tokens have no kernel"
+    if keys.codebook is not None or values.codebook is not None:
+        return "codebook codes have no decode kernel"
     group = keys.token_group
     if group > 1 and (group & (group - 1) or group < triton_decode.MIN_DOT):
         return f"per-channel key stats need a power-of-two token group >= {triton_decode.MIN_DOT}, got {group}"

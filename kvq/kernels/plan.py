@@ -40,6 +40,8 @@ def unsupported_reason(layout: PackedLayout) -> str | None:
     """None when a fused kernel implements this layout exactly; else why not."""
     if layout.token_group > 1:
         return "stats spanning tokens (per channel over a token group) are written and read by the reference"
+    if layout.codebook:
+        return "codebook codes are written and read by the reference"
     if layout.rotation not in ROTATION_CODES:
         return f"rotation kind {layout.rotation} has no kernel (learned rotations run in torch)"
     if layout.bits not in KERNEL_BITS or layout.scale_dtype not in KERNEL_SCALE_DTYPES:

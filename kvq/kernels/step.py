@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq.kernels.plan import packed_codes, per_token_stats
+from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarQuantizer
 
@@ -19,7 +20,8 @@ from kvq.quant.scalar import ScalarQuantizer
 class PackedKV:
     """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role; unsigned
     codes with offsets after the scales (B, H, T, 2 groups) where not `symmetric`; one stats row per
-    `token_group` tokens (B, H, T / token_group, .) where the stats span tokens (kvq.quant.layout)."""
+    `token_group` tokens (B, H, T / token_group, .) where the stats span tokens; unsigned indices into `codebook`
+    with one scale per token where it is set (kvq.quant.layout)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -27,12 +29,13 @@ class PackedKV:
     head_dim: int
     symmetric: bool = True
     token_group: int = 1
+    codebook: torch.Tensor | None = None
 
     def rows(self, n: int) -> "PackedKV":
         """The first n tokens (and the stats rows they read)."""
         stats_rows = -(-n // self.token_group)
         return PackedKV(self.codes[..., :n, :], self.scales[..., :stats_rows, :], self.bits, self.head_dim,
-                        self.symmetric, self.token_group)
+                        self.symmetric, self.token_group, self.codebook)
 
     def token_stats(self) -> torch.Tensor:
         """The stats row each token reads, one per token (B, H, T, .)."""
@@ -53,7 +56,10 @@ class PackedKV:
 
     def dequantized(self) -> torch.Tensor:
         """float32 codes x scales (+ offsets) in the quantizer's rotated domain (the reference ScalarQuantizer
-        decode; per-token scales are the one-group case)."""
+        decode; per-token scales are the one-group case), or the codebook's levels times each token's scale."""
+        if self.codebook is not None:
+            levels = self.codebook[unpack(self.codes, self.bits, self.head_dim, signed=False).long()]
+            return levels * self.scales.float()
         return ScalarQuantizer(self.bits, "per_group", self.group, self.symmetric).decode(
             self.as_packed(torch.float32).inner)
 

@@ -2,7 +2,8 @@
 
 A quantizer that stores rows as scalar codes per token or per token-group, symmetric or with offsets (zero
 points), after a rotation and a per-channel lambda (y = lam * (R x), SRFT paper Sec. 5.1), or as KIVI's keys
-(per channel over groups of tokens) declares a PackedForm; kvq.ops and the caches read only that, never the
+(per channel over groups of tokens), or as indices into a codebook with a scale per token (TurboQuant_mse's
+Lloyd-Max levels and norm) declares a PackedForm; kvq.ops and the caches read only that, never the
 quantizer's attributes. Quantizers that store anything else declare none.
 """
 
@@ -13,6 +14,7 @@ import torch
 # Rotations named by kind: the kernels apply these from their sign vector alone. "matrix" is any other
 # orthogonal map (learned, composed), which only the reference applies, from its matrix.
 SIGNED_ROTATIONS = ("identity", "srht", "srft")
+CODEBOOK_NORM_FLOOR = 1e-12  # a codebook layout's encode divides by the norm clamped here
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,8 @@ class PackedLayout:
     token_group > 1, per token_group consecutive tokens (KIVI's keys: group_size 1, one scale per channel). A
     symmetric layout holds signed codes c and decodes c * scale; an asymmetric one holds unsigned codes c and,
     after its scales, as many offsets of the same dtype, and decodes c * scale + offset: a stats row holds both.
+    A `codebook` layout holds unsigned codes indexing its form's codebook and one scale per token (group_size ==
+    head_dim), and decodes R^-1(codebook[c]) * scale (TurboQuant_mse: the unit vector's levels, then its norm).
     """
 
     head_dim: int
@@ -32,10 +36,13 @@ class PackedLayout:
     symmetric: bool = True
     rotation: str = "identity"
     token_group: int = 1
+    codebook: bool = False
 
     def __post_init__(self):
         if self.token_group > 1 and self.group_size != 1:
             raise ValueError("stats spanning tokens are per channel: token_group > 1 takes group_size 1")
+        if self.codebook and (self.group_size != self.head_dim or not self.symmetric or self.token_group > 1):
+            raise ValueError("codebook codes take one scale per token and no offsets")
 
     @property
     def code_bytes(self) -> int:
@@ -54,12 +61,14 @@ class PackedLayout:
 @dataclass(frozen=True, eq=False)
 class PackedForm:
     """A layout with its constants: `signs` (head_dim,) of the signed rotation (ones for the identity),
-    `matrix` (head_dim, head_dim) with R x = x @ matrix.T, and lambda floored as decode divides by it."""
+    `matrix` (head_dim, head_dim) with R x = x @ matrix.T, lambda floored as decode divides by it, and a
+    codebook layout's levels (2^bits,) float32."""
 
     layout: PackedLayout
     signs: torch.Tensor
     matrix: torch.Tensor
     lam: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None
     _on: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -71,6 +80,6 @@ class PackedForm:
         """The same form with its constants on `device`, made once per device."""
         key = str(device)
         if key not in self._on:
-            lam = self.lam.to(device) if self.lam is not None else None
-            self._on[key] = PackedForm(self.layout, self.signs.to(device), self.matrix.to(device), lam)
+            lam, codebook = (t.to(device) if t is not None else None for t in (self.lam, self.codebook))
+            self._on[key] = PackedForm(self.layout, self.signs.to(device), self.matrix.to(device), lam, codebook)
         return self._on[key]

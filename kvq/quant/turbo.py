@@ -28,6 +28,7 @@ from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.codebooks import lloyd_max_gaussian
 from kvq.quant.config import QuantizerConfig, register_quantizer
+from kvq.quant.layout import CODEBOOK_NORM_FLOOR, PackedForm, PackedLayout
 from kvq.quant.packing import pack, packed_row_bytes, unpack
 from kvq.quant.sketch import SignSketch, SketchPacked
 from kvq.quant.spec import Site
@@ -57,6 +58,7 @@ class TurboQuant(Quantizer):
         self.bits = bits
         self.mse_bits = bits - 1 if prod else bits
         self.residual = SignSketch(rotation.d, rotation.d, seed, orthogonal=False) if prod else None
+        self._form: PackedForm | None = None
 
     def _levels(self, d: int, device) -> torch.Tensor:
         return (lloyd_max_gaussian(self.mse_bits) / math.sqrt(d)).to(device)
@@ -72,7 +74,7 @@ class TurboQuant(Quantizer):
         approximation = torch.zeros_like(xf)
         if self.mse_bits:
             norm = xf.norm(dim=-1, keepdim=True).to(torch.float16)
-            unit = self.rotation.forward(xf / norm.float().clamp_min(1e-12))
+            unit = self.rotation.forward(xf / norm.float().clamp_min(CODEBOOK_NORM_FLOOR))
             levels = self._levels(d, x.device)
             codes = torch.bucketize(unit, (levels[1:] + levels[:-1]) / 2)
             approximation = self._reconstruct(codes, norm, d)
@@ -95,6 +97,24 @@ class TurboQuant(Quantizer):
         if self.residual:
             bits += self.residual.bits_per_vector()
         return bits / d
+
+    def packing_reason(self) -> str | None:
+        if self.residual is not None:
+            return "TurboQuant_prod's QJL residual has no packed layout"
+        if self.mse_bits < 2:
+            return "1-bit TurboQuant codes have no packed layout"
+        return None
+
+    def packed_form(self) -> PackedForm | None:
+        """Codebook codes (kvq.quant.layout): Alg. 1's level indices of R x / |x|, with |x| in fp16 per token."""
+        if self.packing_reason() is not None:
+            return None
+        if self._form is None:
+            d = self.rotation.d
+            layout = PackedLayout(d, self.mse_bits, d, torch.float16, rotation=self.rotation.kind, codebook=True)
+            signs = getattr(self.rotation, "signs", torch.ones(d)).float()
+            self._form = PackedForm(layout, signs, self.rotation.matrix(), codebook=self._levels(d, "cpu"))
+        return self._form
 
 
 OUTLIER_SEED_OFFSET = 1 << 40  # past every site seed, so the two instances' rotations are independent
