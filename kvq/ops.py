@@ -238,11 +238,13 @@ def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts
 
 
 def _row_form(quantizer: Quantizer) -> PackedForm | None:
-    """The quantizer's packed form where its codes are scalar codes with per-token stats, which a kernel may write
-    (encode and decode take rows through the ops); stats that span tokens leave a write's last, partial group to
-    the quantizer (KIVI's exact tokens), and codebook codes, which no kernel writes, its own arithmetic."""
+    """The quantizer's packed form where its encode is that layout's arithmetic over every row, scalar codes with
+    per-token stats, which a kernel may write (encode and decode take rows through the ops). A quantizer whose
+    codes share stats across tokens keeps a write's last, partial group exact (KIVI: its keys' layout spans
+    tokens, and its values' residual stays exact too), and codebook codes, which no kernel writes, keep their
+    quantizer's own arithmetic."""
     form = quantizer.packed_form()
-    plain = form is not None and form.layout.token_group == 1 and not form.layout.codebook
+    plain = form is not None and quantizer.token_group == 1 and not form.layout.codebook
     return form if plain else None
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import loaded, requires_models
 
-from kvq.apply import ProtocolWriteCache, quantized_kv
+from kvq.apply import KVGeometry, ProtocolWriteCache, QuantizerBank, quantized_kv
 from kvq.data import DataSpec
 from kvq.errors import KvqError
 from kvq.experiment import eval_windows, make_bank
@@ -29,6 +29,25 @@ def test_near_mask_follows_the_window_and_the_prefill():
     prefill._prefill[0] = 5
     assert prefill.near(0, 5, 5).all()  # the prompt's own call sees everything exact
     assert torch.equal(prefill.near(0, 1, 9)[0], torch.arange(9) >= 6)  # later, the prompt ages out
+
+
+def test_kivis_key_groups_fill_across_writes_and_are_metered_once():
+    """Under a window protocol a write's tokens short of a 16-token group stay exact until later writes make it
+    whole, then are encoded with them: after a 21-token prompt and eleven one-token writes, the copies equal
+    KIVI's encode of all 32 tokens at once, and the storage metered is that of the 32 tokens, not of each write."""
+    bank = QuantizerBank(QuantSpec("kivi", 4, group_size=16), KVGeometry(1, 2, 64))
+    cache = ProtocolWriteCache(bank, Protocol(window=4, exact_prefill=True))
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(1, 2, 32, 64, generator=generator) for _ in range(2))
+    cache.update(keys[..., :21, :], values[..., :21, :], 0)
+    for position in range(21, 32):
+        cache.update(keys[..., position:position + 1, :], values[..., position:position + 1, :], 0)
+    whole = QuantizerBank(QuantSpec("kivi", 4, group_size=16), KVGeometry(1, 2, 64))
+    for got, role, states in zip(cache.far(0), ("k", "v"), (keys, values), strict=True):
+        assert torch.equal(got, whole.get(0, role)(states))
+    assert bank.measured_bits_per_element() == whole.measured_bits_per_element() == 4 + 2 * 16 / 16
+    cache.update(keys[..., :3, :], values[..., :3, :], 0)  # three more tokens, a group short: exact, 16 bits
+    assert bank.measured_bits_per_element() == pytest.approx((32 * 6 + 3 * 16) / 35, rel=1e-12)
 
 
 def test_stored_bits_count_the_window_in_fp16():

@@ -80,6 +80,17 @@ def assert_the_ops_decode_its_codes_as_it_does(quantizer, form) -> None:
 
 @pytest.mark.parametrize("role", ["k", "v"])
 @pytest.mark.parametrize("name", QUANTIZERS.names())
+def test_the_ops_round_trip_is_every_quantizers_own(name, role):
+    """What hook and cache mode run (kvq.ops.roundtrip) is the quantizer's own quantize-dequantize, metered alike,
+    over 40 tokens: a whole 32-token group and a partial one, which KIVI keeps exact in both roles."""
+    x = half_input().float()
+    through_ops, direct = (build(name, role) for _ in range(2))
+    assert torch.equal(ops.roundtrip(through_ops, x), direct(x))
+    assert (through_ops.stored_bits, through_ops.stored_elements) == (direct.stored_bits, direct.stored_elements)
+
+
+@pytest.mark.parametrize("role", ["k", "v"])
+@pytest.mark.parametrize("name", QUANTIZERS.names())
 def test_every_quantizer_keeps_shape_and_dtype_and_measures_the_bits_it_states(name, role):
     assert_keeps_shape_and_dtype_and_measures_the_bits_it_states(name, role)
 
