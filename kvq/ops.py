@@ -18,7 +18,8 @@ from kvq.kernels import backend_for, note_fallback
 from kvq.kernels.plan import kernel_constants, packed_codes, packed_stats, per_token_stats, unsupported_reason
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
 from kvq.quant.base import Packed, Quantizer
-from kvq.quant.layout import CODEBOOK_NORM_FLOOR, SIGNED_ROTATIONS, PackedForm, PackedLayout
+from kvq.quant.codebooks import decode_unit_vector, encode_unit_vector
+from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
 from kvq.quant.packing import pack, unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
@@ -52,10 +53,7 @@ def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Te
     for a codebook layout TurboQuant_mse's (Alg. 1: the norm, then the nearest level of each coordinate of the
     rotated unit vector). rotation: the signs (d,) of a signed rotation kind, else its matrix (d, d)."""
     if layout.codebook:
-        xf = rows.float()
-        norm = xf.norm(dim=-1, keepdim=True).to(layout.scale_dtype)
-        unit = _rotation(rotation, layout.rotation).forward(xf / norm.float().clamp_min(CODEBOOK_NORM_FLOOR))
-        codes = torch.bucketize(unit, (codebook[1:] + codebook[:-1]) / 2)
+        codes, norm = encode_unit_vector(rows.float(), _rotation(rotation, layout.rotation), codebook)
         return pack(codes.to(torch.int16), layout.bits), norm
     y = _rotation(rotation, layout.rotation).forward(rows.float())
     if lam is not None:
@@ -73,8 +71,8 @@ def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: to
     """RotatedQuantizer.decode's arithmetic, in `dtype` (each token group's stats serving its every row); a
     codebook layout's as TurboQuant_mse decodes: the levels rotated back, times the norm."""
     if layout.codebook:
-        unit = codebook[unpack(codes, layout.bits, layout.head_dim, signed=False).long()]
-        return (_rotation(rotation, layout.rotation).inverse(unit) * scales.float()).to(dtype)
+        codes = unpack(codes, layout.bits, layout.head_dim, signed=False)
+        return decode_unit_vector(codes, scales, _rotation(rotation, layout.rotation), codebook).to(dtype)
     n = codes.shape[0]
     inner = packed_codes(codes, per_token_stats(scales, layout.token_group, n), (n, layout.head_dim), dtype,
                          layout.symmetric).inner

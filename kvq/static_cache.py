@@ -155,13 +155,12 @@ class StaticQuantizedLayer(StaticKVLayer):
         if window < 1 or window > max_cache_len:
             raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
         self.forms: dict[str, PackedForm] = {role: bank.get(layer, role).packed_form() for role in ROLES}
-        self.token_group = max(form.layout.token_group for form in self.forms.values())
-        if window < min(self.token_group, max_cache_len):  # a window of the whole cache never reads a code
-            raise KvqError(f"layer {layer}: codes whose stats span {self.token_group} tokens (KIVI's keys) need a "
-                           f"window of at least {self.token_group} tokens, got {window}")
+        group = max(form.layout.token_group for form in self.forms.values())
+        if window < min(group, max_cache_len):  # a window of the whole cache never reads a code
+            raise KvqError(f"layer {layer}: codes whose stats span {group} tokens (KIVI's keys) need a "
+                           f"window of at least {group} tokens, got {window}")
         self.window = window
         # whole token groups, and room for a write's last group to run past max_cache_len (_write_groups)
-        group = self.token_group
         self.capacity = max_cache_len if group == 1 else -(-(max_cache_len + 2 * group) // group) * group
         self.packed: dict[str, ops.PackedKV] = {}
         self.ring: dict[str, torch.Tensor] = {}

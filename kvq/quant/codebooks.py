@@ -2,10 +2,15 @@
 
 import math
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from kvq.rotations import Rotation
+
 GRID_POINTS = 200_001
+NORM_FLOOR = 1e-12  # a vector's norm is clamped here before it divides the vector
 
 
 def lloyd_max(grid: torch.Tensor, density: torch.Tensor, count: int, iterations: int = 300) -> torch.Tensor:
@@ -53,3 +58,18 @@ def polar_angle_codebook(level: int, bits: int) -> torch.Tensor:
     centres, since the density there is flat)."""
     grid = torch.linspace(0, angle_range(level), GRID_POINTS, dtype=torch.float64)
     return lloyd_max(grid, angle_density(level, grid), 1 << bits).float()
+
+
+def encode_unit_vector(x: torch.Tensor, rotation: "Rotation",
+                       levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuant_mse's encode (Alg. 1) of float32 rows x: |x| in fp16, and for each coordinate of R x / |x| the
+    index of the nearest of the ascending `levels`."""
+    norm = x.norm(dim=-1, keepdim=True).to(torch.float16)
+    unit = rotation.forward(x / norm.float().clamp_min(NORM_FLOOR))
+    return torch.bucketize(unit, (levels[1:] + levels[:-1]) / 2), norm
+
+
+def decode_unit_vector(codes: torch.Tensor, norm: torch.Tensor, rotation: "Rotation",
+                       levels: torch.Tensor) -> torch.Tensor:
+    """encode_unit_vector's inverse in float32: the levels rotated back, times the norm."""
+    return rotation.inverse(levels[codes.long()]) * norm.float()

@@ -14,7 +14,6 @@ import torch
 # Rotations named by kind: the kernels apply these from their sign vector alone. "matrix" is any other
 # orthogonal map (learned, composed), which only the reference applies, from its matrix.
 SIGNED_ROTATIONS = ("identity", "srht", "srft")
-CODEBOOK_NORM_FLOOR = 1e-12  # a codebook layout's encode divides by the norm clamped here
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
-from kvq.quant.codebooks import lloyd_max_gaussian
+from kvq.quant.codebooks import decode_unit_vector, encode_unit_vector, lloyd_max_gaussian
 from kvq.quant.config import QuantizerConfig, register_quantizer
-from kvq.quant.layout import CODEBOOK_NORM_FLOOR, PackedForm, PackedLayout
+from kvq.quant.layout import PackedForm, PackedLayout
 from kvq.quant.packing import pack, packed_row_bytes, unpack
 from kvq.quant.sketch import SignSketch, SketchPacked
 from kvq.quant.spec import Site
@@ -63,21 +63,15 @@ class TurboQuant(Quantizer):
     def _levels(self, d: int, device) -> torch.Tensor:
         return (lloyd_max_gaussian(self.mse_bits) / math.sqrt(d)).to(device)
 
-    def _reconstruct(self, codes: torch.Tensor, norm: torch.Tensor, d: int) -> torch.Tensor:
-        unit = self._levels(d, codes.device)[codes.long()]
-        return self.rotation.inverse(unit) * norm.float()
-
     def encode(self, x: torch.Tensor) -> TurboPacked:
         d = x.shape[-1]
         xf = x.float()
         codes = norm = None
         approximation = torch.zeros_like(xf)
         if self.mse_bits:
-            norm = xf.norm(dim=-1, keepdim=True).to(torch.float16)
-            unit = self.rotation.forward(xf / norm.float().clamp_min(CODEBOOK_NORM_FLOOR))
             levels = self._levels(d, x.device)
-            codes = torch.bucketize(unit, (levels[1:] + levels[:-1]) / 2)
-            approximation = self._reconstruct(codes, norm, d)
+            codes, norm = encode_unit_vector(xf, self.rotation, levels)
+            approximation = decode_unit_vector(codes, norm, self.rotation, levels)
             codes = pack(codes.to(torch.int16), self.mse_bits)
         residual = self.residual.encode(xf - approximation) if self.residual else None
         return TurboPacked(codes, norm, residual, tuple(x.shape), x.dtype)
@@ -87,7 +81,8 @@ class TurboQuant(Quantizer):
         if packed.codes is None:
             x = torch.zeros(packed.shape, device=packed.residual.norm.device)
         else:
-            x = self._reconstruct(unpack(packed.codes, self.mse_bits, d, signed=False), packed.norm, d)
+            codes = unpack(packed.codes, self.mse_bits, d, signed=False)
+            x = decode_unit_vector(codes, packed.norm, self.rotation, self._levels(d, codes.device))
         if packed.residual is not None:
             x = x + self.residual.estimate(packed.residual)
         return x.to(packed.dtype)
