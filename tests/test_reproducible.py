@@ -1,9 +1,12 @@
-"""One cell measured in two processes on one machine, with one and with two intra-op threads, gives the same
-numbers bit for bit: fp and quantized PPL, every window, KL to fp and the bits it stores."""
+"""One cell measured in two processes on one machine with as many intra-op threads gives the same numbers bit for
+bit: fp and quantized PPL, every window, KL to fp and the bits it stores; with one and with two threads each. Across
+thread counts numbers need not agree: on one Intel Xeon the fp PPL of this cell is 37.1347155 at one thread and
+37.1346845 at two (the kernels split their sums by thread), so records name the count (docs/results.md)."""
 
 import json
 import os
 
+import pytest
 from conftest import requires_models, run_kvq
 
 SPEC = """name: r
@@ -21,11 +24,12 @@ MEASURED = ("config", "metrics", "bits_per_element", "quantized_bits_per_element
 
 
 @requires_models
-def test_one_cell_measured_in_two_processes_gives_identical_numbers(tmp_path):
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_one_cell_measured_in_two_processes_gives_identical_numbers(tmp_path, threads):
     (tmp_path / "r.yaml").write_text(SPEC)
     measured = []
-    for threads in ("1", "2"):
-        runs = tmp_path / f"runs-{threads}"
+    for process in ("first", "second"):
+        runs = tmp_path / f"runs-{process}"
         done = run_kvq("sweep", "r.yaml", "--runs-dir", str(runs), "--results", str(tmp_path / "R.md"),
                        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": threads})
         assert done.returncode == 0, done.stderr
