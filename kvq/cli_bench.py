@@ -49,6 +49,7 @@ def bench_decode(
                                         "kvq-int4-static-compiled, quanto-int4, hqq-int4, fp16-static-step, "
                                         "kvq-int4-static-step, kvq-int4-fp-boundary-static-step, "
                                         "kvq-k8v4-static-step, kvq-int4-asym-static-step, kvq-kivi4-static-step, "
+                                        "kvq-kivi2-static-step, kvq-turbo4-static-step, kvq-turbo3-static-step, "
                                         "fp16-gqa-static-compiled, fp16-gqa-static-step "
                                         "(default: all)"),
     new_tokens: int = typer.Option(32),

@@ -198,7 +198,8 @@ def _through_stop(tokens: torch.Tensor, stops: torch.Tensor) -> list[torch.Tenso
 def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, policy=None):
     """A static cache for `batch` rows of `max_cache_len` tokens: transformers' StaticCache for fp (spec None), else
     kvq's StaticQuantizedCache, the newest `window` tokens exact (all of them in a shorter cache; packed layouts
-    only), its layers following `policy` (a kvq.policy.SitePolicy: per-layer and per-role settings, exact layers)."""
+    only), its layers following `policy` (a kvq.policy.SitePolicy: per-layer and per-role settings, exact layers).
+    On CUDA every quantized layer's layouts must have a fused decode kernel (KvqError otherwise)."""
     from transformers import StaticCache
 
     from kvq.apply import QuantizerBank, kv_geometry
@@ -208,7 +209,13 @@ def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, 
     if spec is None:
         return StaticCache(config=model.config, max_cache_len=max_cache_len)
     bank = QuantizerBank(spec, kv_geometry(model.config), policy=policy or SitePolicy())
-    return StaticQuantizedCache(bank, model.config, max_cache_len, min(window, max_cache_len)).allocate(model, batch)
+    cache = StaticQuantizedCache(bank, model.config, max_cache_len, min(window, max_cache_len))
+    if model.device.type == "cuda":  # a CPU runs the reference throughout; a GPU without a kernel would crawl
+        reason = cache.decode_kernel_reason(model.config.get_text_config(decoder=True).num_attention_heads)
+        if reason is not None:
+            raise KvqError(f"--quant {spec.quantizer}:{spec.bits}: no fused decode kernel on {model.device}: {reason} "
+                           "(--device cpu runs the reference)")
+    return cache.allocate(model, batch)
 
 
 def complete(lm, prompts: Sequence[str], spec, max_new_tokens: int, *, sampling: Sampling = Sampling(),

@@ -8,7 +8,7 @@ pad token or a batch-mate could change a prompt's codes. So a batch decodes
   policy and keep its exact layers fp, or transformers' static
   cache with SDPA reading each K/V head once for fp), compiled on CUDA, the padded batch at once with the cache
   reset() between batches, where the quantizer has a packed layout and the protocol is one that cache holds
-  (`fast_path_reason`: not KIVI, whose key stats span positions, nor codebook codes, which no kernel decodes). The
+  (`fast_path_reason`: not KIVI, whose key stats span positions). The
   layouts it takes are token-local, so padding changes no prompt's codes; the packed kernels attend from the codes
   where no row is padded, a padded batch's steps read the cache dequantized under the mask;
 - otherwise through the reference cache: the whole padded batch at once where the quantizer is token-local (a
@@ -51,10 +51,6 @@ def fast_path_reason(bank: QuantizerBank | None, mode: str, protocol: Protocol, 
             if quantizer.token_group > 1:
                 return (f"layer {layer} {role.upper()}: {type(quantizer).__name__}'s stats span "
                         f"{quantizer.token_group} positions, so left padding would change a prompt's codes")
-            form = quantizer.packed_form()
-            if form is not None and form.layout.codebook:  # the static cache would dequantize it all every step
-                return (f"layer {layer} {role.upper()}: {type(quantizer).__name__}'s codebook codes have no decode "
-                        "kernel")
     return None
 
 

@@ -17,13 +17,14 @@ import torch
 from kvq.kernels import backend_for, note_fallback
 from kvq.kernels.plan import kernel_constants, packed_codes, packed_stats, per_token_stats, unsupported_reason
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
+from kvq.quant import ggml
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.codebooks import decode_unit_vector, encode_unit_vector
 from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
 from kvq.quant.packing import pack, unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
-from kvq.rotations import MatrixRotation, Rotation, signed_rotation
+from kvq.rotations import BlockDiagonal, MatrixRotation, Rotation, signed_rotation
 
 if TYPE_CHECKING:
     from kvq.kernels.decode_graph import DecodeGraph
@@ -33,12 +34,15 @@ SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 
 
 def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, symmetric: bool,
-            rotation_kind: str, token_group: int, codebook: bool) -> PackedLayout:
-    return PackedLayout(head_dim, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook)
+            rotation_kind: str, token_group: int, codebook: bool, scheme: str = "kvq") -> PackedLayout:
+    return PackedLayout(head_dim, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook,
+                        scheme)
 
 
-def _rotation(rotation: torch.Tensor, kind: str) -> Rotation:
-    return signed_rotation(kind, rotation) if kind in SIGNED_ROTATIONS else MatrixRotation(rotation)
+def _rotation(rotation: torch.Tensor, layout: PackedLayout) -> Rotation:
+    if layout.rotation in SIGNED_ROTATIONS:
+        return signed_rotation(layout.rotation, rotation)
+    return BlockDiagonal(rotation, layout.head_dim) if layout.rotation == "blocks" else MatrixRotation(rotation)
 
 
 def _scalar(layout: PackedLayout, granularity: str = "per_group") -> ScalarQuantizer:
@@ -51,11 +55,14 @@ def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Te
     """RotatedQuantizer.encode's arithmetic on (n, d) rows -> codes and stats (scales, then any offsets); where
     the stats span tokens, KIVI's per-channel arithmetic over each `token_group` consecutive rows (n a multiple);
     for a codebook layout TurboQuant_mse's (Alg. 1: the norm, then the nearest level of each coordinate of the
-    rotated unit vector). rotation: the signs (d,) of a signed rotation kind, else its matrix (d, d)."""
+    rotated unit vector); for the "ggml" scheme llama.cpp's block arithmetic (kvq.quant.ggml.layout_codes).
+    rotation: the signs (d,) of a signed rotation kind, the block of a "blocks" one, else its matrix (d, d)."""
     if layout.codebook:
-        codes, norm = encode_unit_vector(rows.float(), _rotation(rotation, layout.rotation), codebook)
+        codes, norm = encode_unit_vector(rows.float(), _rotation(rotation, layout), codebook)
         return pack(codes.to(torch.int16), layout.bits), norm
-    y = _rotation(rotation, layout.rotation).forward(rows.float())
+    y = _rotation(rotation, layout).forward(rows.float())
+    if layout.scheme == "ggml":
+        return ggml.layout_codes(y, layout)
     if lam is not None:
         y = y * lam.float()
     if layout.token_group > 1:
@@ -72,14 +79,14 @@ def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: to
     codebook layout's as TurboQuant_mse decodes: the levels rotated back, times the norm."""
     if layout.codebook:
         codes = unpack(codes, layout.bits, layout.head_dim, signed=False)
-        return decode_unit_vector(codes, scales, _rotation(rotation, layout.rotation), codebook).to(dtype)
+        return decode_unit_vector(codes, scales, _rotation(rotation, layout), codebook).to(dtype)
     n = codes.shape[0]
     inner = packed_codes(codes, per_token_stats(scales, layout.token_group, n), (n, layout.head_dim), dtype,
                          layout.symmetric).inner
     y = _scalar(layout).decode(inner).float()
     if lam is not None:
         y = y / lam.float()
-    return _rotation(rotation, layout.rotation).inverse(y).to(dtype)
+    return _rotation(rotation, layout).inverse(y).to(dtype)
 
 
 def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, symmetric: bool,
@@ -92,18 +99,20 @@ def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, symmet
 @torch.library.custom_op("kvq::quantize", mutates_args=())
 def _quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, bits: int, group_size: int,
               scale_dtype: torch.dtype, symmetric: bool, rotation_kind: str, token_group: int,
-              codebook: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              codebook: torch.Tensor | None, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, d) rows -> codes (n, d * bits / 8) uint8 and stats (n / token_group, layout.stats): d / group_size
-    scales, then as many offsets where not `symmetric`; with a codebook, its indices and one scale per row."""
+    scales, then as many offsets where not `symmetric`; with a codebook, its indices and one scale per row;
+    written by the `scheme`'s arithmetic."""
     layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
-                     codebook is not None)
+                     codebook is not None, scheme)
     return reference_quantize(rows, rotation, lam, layout, codebook)
 
 
 @_quantize.register_fake
-def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook):
+def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook, scheme):
     n, d = rows.shape
-    layout = _layout(d, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook is not None)
+    layout = _layout(d, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook is not None,
+                     scheme)
     return (rows.new_empty(n, layout.code_bytes, dtype=torch.uint8),
             rows.new_empty(n // token_group, layout.stats, dtype=scale_dtype))
 
@@ -123,10 +132,16 @@ def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token
 
 
 def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
-                     codebook):
+                     codebook, scheme):
     layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
-                     codebook is not None)
-    reason = unsupported_reason(layout)
+                     codebook is not None, scheme)
+    reason = unsupported_reason(layout) if scheme == "kvq" else f"the {scheme} scheme's arithmetic has no kernel"
+    if layout.token_group > 1 and rows.is_cuda:  # imported on CUDA only, as decode attention's kernels are
+        from kvq.kernels import triton_quantize
+
+        reason = triton_quantize.unsupported_reason(layout, lam)
+        if reason is None:
+            return triton_quantize.quantize_token_groups(rows, layout)
     if reason is not None:
         note_fallback("kvq::quantize", layout, reason)
         return reference_quantize(rows, rotation, lam, layout, codebook)
@@ -202,7 +217,7 @@ def quantize(rows: torch.Tensor, form: PackedForm) -> tuple[torch.Tensor, torch.
     layout = form.layout
     codes, scales = torch.ops.kvq.quantize(rows.reshape(-1, layout.head_dim), form.rotation_input, form.lam,
                                            layout.bits, layout.group_size, layout.scale_dtype, layout.symmetric,
-                                           layout.rotation, layout.token_group, form.codebook)
+                                           layout.rotation, layout.token_group, form.codebook, layout.scheme)
     lead = rows.shape[:-1]
     return codes.view(*lead, layout.code_bytes), scales.view(*lead[:-1], -1, layout.stats)
 

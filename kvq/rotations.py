@@ -164,6 +164,28 @@ def signed_rotation(kind: str, signs: torch.Tensor) -> Rotation:
     return ROTATIONS.get(kind).with_signs(signs)
 
 
+class BlockDiagonal(Rotation):
+    """A symmetric orthonormal n x n block (llama.cpp's Walsh-Hadamard) applied along the last dim, block by block:
+    each n-coordinate chunk of x times the block, in x's dtype; the block is its own inverse."""
+
+    kind = "blocks"
+
+    def __init__(self, block: torch.Tensor, d: int):
+        if d % block.shape[0]:
+            raise KvqError(f"a {block.shape[0]}-coordinate rotation block does not divide head_dim {d}")
+        super().__init__(d)
+        self.block = block.float()
+
+    def forward(self, x):
+        self._check(x)
+        n = self.block.shape[0]
+        chunks = x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
+        return (chunks @ self.block.to(device=x.device, dtype=x.dtype)).reshape(x.shape)
+
+    def inverse(self, y):
+        return self.forward(y)
+
+
 class MatrixRotation(Rotation):
     """A given orthogonal matrix R (e.g. learned by calibration): forward(x) = x @ R^T."""
 

@@ -155,6 +155,7 @@ class StaticQuantizedLayer(StaticKVLayer):
         if window < 1 or window > max_cache_len:
             raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
         self.forms: dict[str, PackedForm] = {role: bank.get(layer, role).packed_form() for role in ROLES}
+        self.kv_heads = bank.geometry.n_kv_heads
         group = max(form.layout.token_group for form in self.forms.values())
         if window < min(group, max_cache_len):  # a window of the whole cache never reads a code
             raise KvqError(f"layer {layer}: codes whose stats span {group} tokens (KIVI's keys) need a "
@@ -292,6 +293,19 @@ class StaticQuantizedCache(StaticCache):
         geometry = kv_geometry(model.config)
         self.early_initialization(batch_size, geometry.n_kv_heads, geometry.head_dim, model.dtype, model.device)
         return self
+
+    def decode_kernel_reason(self, query_heads: int) -> str | None:
+        """None where a CUDA decode step of every quantized layer runs the fused kernels (with `query_heads` query
+        heads); else, for the first layer that would attend through the reference, why."""
+        from kvq.kernels.decode_attention import layout_reason  # the kernels' modules: CUDA callers only
+
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer, StaticQuantizedLayer):
+                keys, values = (layer.forms[role].layout for role in ROLES)
+                reason = layout_reason(keys, values, query_heads // layer.kv_heads)
+                if reason is not None:
+                    return f"layer {index}: {reason}"
+        return None
 
     def memory_bytes(self) -> int:
         """Bytes this cache holds for its tokens (packed buffers, rings, sliding layers' static buffers)."""

@@ -59,15 +59,21 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.gpu])]
 
 def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group: int, device: str,
                   generator: torch.Generator | None = None, scale_dtype: torch.dtype = torch.float32,
-                  symmetric: bool = True, token_group: int = 1):
+                  symmetric: bool = True, token_group: int = 1, codebook: torch.Tensor | None = None):
     """Packed K or V as the fused cache holds them: Gaussian rows through a per-group ScalarQuantizer (scales,
     then offsets where not `symmetric`); or, with token_group > 1, KIVI's keys: per channel over groups of that
-    many tokens, in buffers of whole groups of which the first `tokens` rows count."""
+    many tokens, in buffers of whole groups of which the first `tokens` rows count; or, with a codebook, random
+    indices into it and a norm per token (TurboQuant_mse's codes)."""
     from kvq.kernels.plan import packed_stats
     from kvq.kernels.step import PackedKV
     from kvq.ops import SCALE_DTYPE_NAMES
+    from kvq.quant.packing import pack
     from kvq.quant.scalar import ScalarQuantizer
 
+    if codebook is not None:
+        indices = torch.randint(0, 1 << bits, (batch, heads, tokens, d), generator=generator)
+        norms = (torch.rand(batch, heads, tokens, 1, generator=generator) * 4 + 0.5).to(scale_dtype)
+        return PackedKV(pack(indices, bits).to(device), norms.to(device), bits, d, codebook=codebook.to(device))
     held = -(-tokens // token_group) * token_group
     rows = torch.randn(batch, heads, held, d, generator=generator)
     if token_group > 1:

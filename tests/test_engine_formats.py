@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import loaded, requires_models
 
+from kvq import ops
 from kvq.errors import KvqError
 from kvq.quant import QuantSpec, Site, build_quantizer
 from kvq.quant.fp8 import FP8
@@ -151,7 +152,7 @@ def ggml_bytes(packed) -> np.ndarray:
 
 
 def check_against_gguf(kind: str, x: torch.Tensor) -> None:
-    quantizer = GGMLBlocks(kind, None)
+    quantizer = GGMLBlocks(kind, None, 64)
     packed = quantizer.encode(x)
     stored = ggml_bytes(packed)
     qtype = getattr(gguf_quants.GGMLQuantizationType, kind.upper())
@@ -181,7 +182,7 @@ def test_iq4_nl_keeps_the_initial_codes_and_refits_the_scale():
     the stored scale's weighted error is no larger than the first scale's for those codes (up to fp16 rounding
     of either scale), and smaller on almost every block."""
     x = wide_range((40, 64))
-    quantizer = GGMLBlocks("iq4_nl", None)
+    quantizer = GGMLBlocks("iq4_nl", None, 64)
     packed = quantizer.encode(x)
     levels = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]).float()
     blocks = x.reshape(40, 2, 32)
@@ -193,6 +194,27 @@ def test_iq4_nl_keeps_the_initial_codes_and_refits_the_scale():
     stored, first_stored = packed.scale.float(), first.half().float()  # both as an fp16 scale is stored
     assert (weighted(stored) <= weighted(first_stored) * (1 + 1e-2) + 1e-6 * (blocks**4).sum(-1)).all()
     assert (weighted(stored) < weighted(first_stored)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+def test_ggml_blocks_as_packed_layouts_hold_ggmls_codes_and_scales(kind, hadamard):
+    """kvq.ops writes a ggml type's packed layout with ggml's arithmetic: each code (less q4_0's and q5_0's zero), d
+    and m equal the quantizer's own block fields, in as many bytes, and decode to what its decode gives."""
+    quantizer = build_quantizer(QuantSpec("ggml", options={"type": kind, "hadamard": hadamard}), Site(0, "k", 128))
+    form = quantizer.packed_form()
+    assert form.layout.rotation == ("blocks" if hadamard else "identity") and form.layout.scheme == "ggml"
+    x = wide_range((2, 3, 40, 128))
+    codes, stats = ops.quantize(x, form)
+    packed = quantizer.encode(x)
+    zero = {"q4_0": 8, "q5_0": 16}.get(kind, 0)
+    signed = unpack(codes, form.layout.bits, 128, signed=form.layout.symmetric).to(torch.int32)
+    assert torch.equal(signed + zero, quantizer.codes(packed).reshape(signed.shape))
+    assert torch.equal(stats[..., :4], packed.scale.squeeze(-1))
+    if packed.minimum is not None:
+        assert torch.equal(stats[..., 4:], packed.minimum.squeeze(-1))
+    assert 8 * (codes.numel() + 2 * stats.numel()) == packed.storage_bits()
+    assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
 
 
 @pytest.mark.parametrize("d,k_block,v_block", [(64, 64, 64), (128, 128, 64), (256, 256, 64), (192, 64, 64),

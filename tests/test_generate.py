@@ -259,6 +259,20 @@ def test_sampling_settings_are_checked(sampling, fragment):
         generate.Sampling(**sampling)
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_on_a_gpu_a_layout_without_a_fused_decode_kernel_is_refused():
+    """A static cache whose decode steps would attend through the reference on CUDA (here KIVI's keys in 8-token
+    groups, under the kernels' 16) is refused at build, naming the layer and why; the same layout with a group the
+    kernel reads, and TurboQuant's codebook codes, are built."""
+    model, _ = _wide_model("cuda")
+    with pytest.raises(KvqError, match=r"kivi:4: no fused decode kernel on cuda.*layer 0: per-channel key stats "
+                                       r"need a power-of-two token group >= 16, got 8"):
+        generate.static_cache(model, QuantSpec("kivi", 4, group_size=8), 1, 64)
+    for spec in (QuantSpec("kivi", 4, group_size=16), QuantSpec("kivi", 2, group_size=16), QuantSpec("turbo", 3)):
+        assert generate.static_cache(model, spec, 1, 64, window=16).decode_kernel_reason(4) is None
+
+
 BAD_GENERATE_ARGUMENTS = [
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", ""], "--prompt 2 is empty"),

@@ -29,6 +29,7 @@ from kvq.kernels.plan import kernel_constants, kernel_defines, packed_codes, uns
 from kvq.kernels.source import kernel_text, translation_unit
 from kvq.kernels.step import DecodeStep, decode_attention_reference
 from kvq.quant import QuantSpec
+from kvq.quant.codebooks import lloyd_max_gaussian
 from kvq.quant.kivi import KIVI
 from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedQuantizer
@@ -169,25 +170,29 @@ def test_learned_rotations_take_the_reference_through_their_matrix():
     torch.testing.assert_close(ops.decode(learned, ops.encode(learned, x)), learned(x), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["symmetric", "asymmetric", "kivi", "codebook"])
+@pytest.mark.parametrize("layout", ["symmetric", "asymmetric", "kivi", "codebook", "ggml"])
 def test_ops_are_custom_ops_that_compile_without_graph_breaks(layout):
-    """Per-token codes (signed, or unsigned with offsets), KIVI's (keys per channel over 16-token groups), and
-    TurboQuant_mse's codebook codes."""
+    """Per-token codes (signed, or unsigned with offsets), KIVI's (keys per channel over 16-token groups),
+    TurboQuant_mse's codebook codes, and llama.cpp's q4_0 blocks after its Hadamard rotation (ggml's arithmetic)."""
     token_group = 16 if layout == "kivi" else 1
     if layout == "kivi":
         form = KIVI("k", 4, token_group, 64).packed_form()
     elif layout == "codebook":
         form = QuantizerBank(QuantSpec("turbo", 4), KVGeometry(1, 2, 64)).get(0, "k").packed_form()
+    elif layout == "ggml":
+        bank = QuantizerBank(QuantSpec("ggml", options={"type": "q4_0"}), KVGeometry(1, 2, 64))
+        form = bank.get(0, "k").packed_form()
     else:
         form = quantizer("srft", 64, 4, "per_group", 16, lam=True, symmetric=layout == "symmetric").packed_form()
     layout, symmetric = form.layout, form.layout.symmetric
     rows = torch.randn(2 * token_group, 64)
     codes, scales = ops.quantize(rows, form)
-    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.signs, form.lam, 4, layout.group_size,
+    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.rotation_input, form.lam, 4, layout.group_size,
                                                            layout.scale_dtype, symmetric, layout.rotation,
-                                                           token_group, form.codebook))
-    torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scales, form.signs, form.lam, 4, torch.float32,
-                                                             symmetric, layout.rotation, token_group, form.codebook))
+                                                           token_group, form.codebook, layout.scheme))
+    torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scales, form.rotation_input, form.lam, 4,
+                                                             torch.float32, symmetric, layout.rotation, token_group,
+                                                             form.codebook))
     if layout.codebook:
         keys, values = (ops.PackedKV(*ops.quantize(torch.randn(1, 2, 9, 64), form), 4, 64, codebook=form.codebook)
                         for _ in range(2))
@@ -444,6 +449,11 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
     (2, 16, 4, 128, 3001, 16, 8, 4, 32, torch.float16, torch.float16),
     (1, 12, 4, 128, 777, 0, 8, 4, 32, torch.bfloat16, torch.float32),
     (1, 4, 2, 128, 1, 16, 8, 4, 32, torch.float32, torch.float32),
+    # 2- and 3-bit codes, which the Triton partial reads bit field by bit field
+    (1, 32, 8, 128, 8192, 5, 2, 2, 32, torch.float16, torch.float16),
+    (3, 9, 3, 64, 517, 16, 3, 3, 16, torch.float32, torch.float32),
+    (2, 16, 4, 128, 3001, 0, 3, 4, 32, torch.bfloat16, torch.float32),
+    (1, 4, 1, 256, 1000, 15, 4, 2, 64, torch.float32, torch.float16),
 ])
 def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, kv_heads, d, tokens, window, key_bits,
                                                       value_bits, group, dtype, scales):
@@ -462,6 +472,8 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     (2, 8, 8, 64, 100, 0, (8, False), (8, False), 64, torch.float32, torch.float16),
     (1, 4, 1, 256, 3000, 15, (4, False), (4, False), 256, torch.float32, torch.float32),
     (1, 14, 2, 64, 1, 1, (4, False), (4, True), 32, torch.float32, torch.float32),
+    (1, 32, 8, 128, 8192, 8, (2, False), (2, False), 32, torch.float16, torch.float16),
+    (3, 9, 3, 64, 517, 16, (3, False), (3, False), 16, torch.float32, torch.float32),
 ])
 def test_decode_attention_with_offsets_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens, window, keys,
                                                                    values, group, dtype, scales):
@@ -478,6 +490,10 @@ def test_kivi_layouts_through_the_ops_are_kivis_own_arithmetic(bits, d, group, r
     kivi = KIVI(role, bits, group, d)
     x = (torch.randn(2, 3, 4 * group, d, generator=torch.Generator().manual_seed(bits)) * 3).to(device)
     codes, stats = ops.quantize(x, kivi.packed_form())
+    if device == "cuda" and role == "k":  # the token-group kernel writes 2-, 4- and 8-bit keys, bit for bit
+        from kvq.kernels import triton_quantize
+
+        assert (triton_quantize.unsupported_reason(kivi.packed_form().layout, None) is None) == (bits != 3)
     if device == "cuda" and unsupported_reason(kivi.packed_form().layout) is None:
         # the values' per-token layout runs the quantize kernel: judged as every kernel case is (round-half ties)
         _assert_asymmetric_matches_reference(RotatedQuantizer(Identity(d), kivi.inner), x.reshape(-1, d),
@@ -517,7 +533,10 @@ def test_turbo_codebook_layout_through_the_ops_is_turboquants_own_arithmetic(bit
     step = DomainMaps(forms["k"], forms["v"], torch.device(device)).step(states["k"], states["v"], (empty, empty))
     query = torch.randn(2, 4, 64, generator=generator).to(device)
     expected = F.scaled_dot_product_attention(query.unsqueeze(-2), own["k"], own["v"], scale=0.125, enable_gqa=True)
-    torch.testing.assert_close(ops.decode_attention(query, step, 0.125), expected.squeeze(-2), atol=1e-5, rtol=0)
+    # on CUDA the fused kernel reads the codes, its products in fp16: an error within fp16's relative precision of
+    # the largest value coordinate (the GPU test over random codebook codes bounds it tighter)
+    atol = 1e-5 if device == "cpu" else 2 * torch.finfo(torch.float16).eps * own["v"].abs().max().item()
+    torch.testing.assert_close(ops.decode_attention(query, step, 0.125), expected.squeeze(-2), atol=atol, rtol=0)
 
 
 @requires_cuda
@@ -530,6 +549,8 @@ def test_turbo_codebook_layout_through_the_ops_is_turboquants_own_arithmetic(bit
     (1, 14, 2, 64, 1, 1, 4, 4, 32, 32, torch.bfloat16),
     (1, 4, 1, 256, 1000, 15, 4, 4, 64, 64, torch.float32),
     (2, 8, 8, 64, 100, 5, 8, 8, 32, 64, torch.float16),
+    (1, 32, 8, 128, 32768, 16, 2, 2, 32, 32, torch.float16),  # KIVI-2 at Llama-3-8B's shapes
+    (3, 9, 3, 64, 517, 0, 3, 3, 16, 16, torch.float32),
 ])
 def test_decode_attention_with_per_channel_keys_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens,
                                                                             window, key_bits, value_bits,
@@ -540,21 +561,41 @@ def test_decode_attention_with_per_channel_keys_equals_dequantize_then_sdpa(batc
                             (value_bits, False), group, dtype, torch.float16, token_group)
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, key_bits, value_bits, dtype", [
+    (1, 32, 8, 128, 32768, 16, 4, 4, torch.float16),  # TurboQuant-4 at Llama-3-8B's shapes
+    (2, 16, 4, 128, 3001, 16, 3, 3, torch.float16),
+    (3, 9, 3, 64, 517, 0, 2, 4, torch.float32),
+    (1, 4, 1, 256, 1000, 15, 4, 3, torch.float32),
+    (1, 14, 2, 64, 1, 1, 3, 3, torch.bfloat16),
+])
+def test_decode_attention_over_codebook_codes_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens,
+                                                                          window, key_bits, value_bits, dtype):
+    """TurboQuant_mse's layout: indices into its Lloyd-Max levels (of a unit vector's coordinates) and an fp16 norm
+    per token; the Triton partial looks the levels up and takes the norm as each token's scale."""
+    _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, (key_bits, True), (value_bits, True),
+                            d, dtype, torch.float16, codebooks=True)
+
+
 def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window, key_form, value_form, group, dtype,
-                            scales, token_group=1):
+                            scales, token_group=1, codebooks=False):
     (key_bits, key_symmetric), (value_bits, value_symmetric) = key_form, value_form
     generator = torch.Generator().manual_seed(tokens)
+    key_levels, value_levels = ((lloyd_max_gaussian(bits) / d ** 0.5 if codebooks else None)
+                                for bits in (key_bits, value_bits))
     keys = random_packed(batch, kv_heads, tokens, d, key_bits, group, "cuda", generator, scales, key_symmetric,
-                         token_group)
+                         token_group, key_levels)
     values = random_packed(batch, kv_heads, -(-tokens // token_group) * token_group, d, value_bits, group, "cuda",
-                           generator, scales, value_symmetric).rows(tokens)
+                           generator, scales, value_symmetric, codebook=value_levels).rows(tokens)
     window_buffer = torch.randn(2, batch, kv_heads, 16, d, generator=generator).to("cuda", dtype)
     window = (window_buffer[0, :, :, :window], window_buffer[1, :, :, :window])
     query = torch.randn(batch, q_heads, d, generator=generator).to("cuda", dtype)
     rotation, lam = SRFT(d, tokens).matrix(), torch.rand(d, generator=generator) + 0.5
     step = DecodeStep(keys, values, window, (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda())
     launch = LaunchConfig(partial=partial)
-    if partial == "cuda" and d == 128 and value_bits == 4 and group == 32 and q_heads // kv_heads <= 4:
+    if partial == "cuda" and d == 128 and key_bits in (4, 8) and value_bits == 4 and group == 32 and \
+            q_heads // kv_heads <= 4 and not codebooks:
         # int4 and int8 keys alike; offsets take the Triton partial
         assert cuda_decode.partial_fits(query, keys, values, window) == (key_symmetric and value_symmetric)
     got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
@@ -565,7 +606,7 @@ def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window
     if partial == "cuda":  # the op runs the same kernels
         assert torch.equal(ops.decode_attention(query, step, d ** -0.5), got)
     error = (got.float() - expected.float()).abs().max().item()
-    per_channel = f" per channel/{token_group}" if token_group > 1 else ""
+    per_channel = f" per channel/{token_group}" if token_group > 1 else " codebook" if codebooks else ""
     print(f"{partial} B={batch} Hq={q_heads} Hkv={kv_heads} d={d} T={tokens}+{window[0].shape[2]} "
           f"K{key_bits}{'' if key_symmetric else 'a'}{per_channel}/V{value_bits}{'' if value_symmetric else 'a'} "
           f"g={group} "

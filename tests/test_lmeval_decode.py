@@ -91,6 +91,7 @@ def test_the_static_path_needs_cuda_a_packed_layout_and_a_protocol_it_holds():
     assert fast_path_reason(None, "cache", Protocol(16, True), cuda) is None
     assert fast_path_reason(bank("int", 4), "cache", Protocol(16, True), cuda) is None
     assert "KIVI" in fast_path_reason(bank("kivi", 4), "cache", Protocol(16, True), cuda)
+    assert fast_path_reason(bank("turbo", 4), "cache", Protocol(16, True), cuda) is None  # a decode kernel reads it
     assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(0, True), cuda)
     assert "window" in fast_path_reason(bank("int", 4), "cache", Protocol(16, False), cuda)
     assert "hook" in fast_path_reason(bank("int", 4), "hook", Protocol(), cuda)

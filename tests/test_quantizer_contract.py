@@ -8,6 +8,7 @@ import torch
 
 from kvq import ops
 from kvq.quant import QUANTIZERS, QuantSpec, Site, build_quantizer, is_seeded
+from kvq.quant.rotated import RotatedPacked
 
 D, TOKENS = 64, 40  # 40 tokens: a whole 32-token group and a partial one
 
@@ -50,14 +51,16 @@ def assert_packed_layout_round_trips_through_the_ops(name: str, granularity: str
     if layout.token_group > 1 or layout.codebook:  # KIVI's keys, TurboQuant's codebook codes: its own encode
         assert_the_ops_decode_its_codes_as_it_does(quantizer, form)
         return
-    row_bits = 8 * (layout.code_bytes + layout.groups * layout.scale_dtype.itemsize)
+    row_bits = 8 * (layout.code_bytes + layout.stats * layout.scale_dtype.itemsize)
     assert quantizer.bits_per_element(D, TOKENS) == row_bits / D
     x = half_input()
     codes, scales = ops.quantize(x, form)
     expected = quantizer.encode(x)
-    assert codes.shape == (*x.shape[:-1], layout.code_bytes) and scales.shape == (*x.shape[:-1], layout.groups)
+    assert codes.shape == (*x.shape[:-1], layout.code_bytes) and scales.shape == (*x.shape[:-1], layout.stats)
     packed = ops.encode(quantizer, x)
-    assert torch.equal(packed.inner.codes, codes) and torch.equal(packed.inner.codes, expected.inner.codes)
+    assert torch.equal(packed.inner.codes, codes)
+    if isinstance(expected, RotatedPacked):  # an engine's own storage (llama.cpp's blocks) orders its bytes its way
+        assert torch.equal(packed.inner.codes, expected.inner.codes)
     assert torch.equal(ops.decode(quantizer, packed), quantizer.decode(expected))
     for dtype in (torch.float16, torch.float32):  # what hook and cache mode measure, in either model dtype
         through_ops, direct = (build(name, "k", granularity=granularity) for _ in range(2))

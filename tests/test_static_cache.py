@@ -26,6 +26,7 @@ from kvq.quant import QuantSpec
 from kvq.static_cache import StaticExactLayer, StaticQuantizedCache, StaticQuantizedLayer
 
 WINDOW = 8
+LOGIT_TOLERANCE = 2e-2  # compiled against eager fp16 logits of the tiny models (of order 1)
 SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, head_dim=32,
              intermediate_size=64, vocab_size=101)
 
@@ -103,7 +104,8 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
 
 FRONTIER = {"kivi2": QuantSpec("kivi", 2, group_size=16), "kivi4": QuantSpec("kivi", 4, group_size=16),
             "kivi8": QuantSpec("kivi", 8, group_size=16), "turbo3": QuantSpec("turbo", 3),
-            "turbo4": QuantSpec("turbo", 4)}
+            "turbo4": QuantSpec("turbo", 4), "ggml-q4_0": QuantSpec("ggml", options={"type": "q4_0"}),
+            "ggml-q5_1": QuantSpec("ggml", options={"type": "q5_1"})}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -113,9 +115,9 @@ def test_frontier_layouts_in_the_static_cache_match_the_eager_protocol_cache(kin
     """KIVI's keys share stats per channel over 16 positions: the static cache quantizes a group again at each
     write until it is whole, the eager cache holds a write's tokens short of a group exact until the next write
     fills it; with a 16-token window both read the same codes. TurboQuant_mse's codebook codes (SRFT, Lloyd-Max
-    levels, an fp16 norm per token) are held as they are. 40 prompt tokens and 30 steps cross four group
-    boundaries, with the window past them; the decode steps under fused_decoding read KIVI's int4 and int8 codes in
-    the kernels on CUDA (the reference reads 2-bit and codebook codes)."""
+    levels, an fp16 norm per token) and llama.cpp's q4_0 and q5_1 blocks (written with ggml's arithmetic) are held
+    as they are. 40 prompt tokens and 30 steps cross four group boundaries, with the window past them; the decode
+    steps under fused_decoding read every layout's codes in the kernels on CUDA."""
     model = tiny(kind).to(device)
     bank = QuantizerBank(spec, kv_geometry(model.config))
     prompt = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
@@ -208,8 +210,11 @@ def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():
                                                            ("kivi", 1, None), ("kivi", 4, 8)])
 def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(quantizer, batch, chunk):
     """generate compiles the decode step of a compileable cache (CUDA graphs over the static buffers), and with
-    prefill_chunk_size each prefill chunk too; its greedy tokens equal those of the same cache run eagerly, over
-    64 steps; also under KIVI-4 (16-token key groups), whose keys the torch reference quantizes."""
+    prefill_chunk_size each prefill chunk too; over 64 steps its logits stay within LOGIT_TOLERANCE of those of the
+    same cache run eagerly and its greedy tokens equal theirs, up to a step where a row's two best logits are closer
+    than the two runs' logits differ (a last-bit difference between compiled and eager kernels may pick either
+    there: KIVI's batch of 4 meets such a step at step 43, its compiled top two tied in fp16); also under KIVI-4
+    (16-token key groups, written by the token-group kernel on CUDA)."""
     model = tiny("llama").to("cuda").half()
     if quantizer == "kivi":
         bank = QuantizerBank(QuantSpec("kivi", 4, group_size=16), kv_geometry(model.config))
@@ -218,14 +223,27 @@ def test_generate_compiles_the_static_cache_and_keeps_the_eager_tokens(quantizer
     generator = torch.Generator().manual_seed(4)
     prompt = torch.randint(1, 101, (batch, 24), generator=generator).cuda()
     runs = {}
-    for compiled in (False, True):
+    for compiles in (False, True):
         cache = StaticQuantizedCache(bank, model.config, max_cache_len=24 + 64, window=16).allocate(model, batch)
         with fused_decoding(model, cache):
-            runs[compiled] = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+            runs[compiles] = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
                                             max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                                            prefill_chunk_size=chunk, disable_compile=not compiled)
+                                            prefill_chunk_size=chunk, disable_compile=not compiles,
+                                            output_scores=True, return_dict_in_generate=True)
         assert all(layer.unpadded for layer in cache.layers)
-    assert torch.equal(runs[True], runs[False])
+    eager, compiled = runs[False], runs[True]
+    assert torch.equal(eager.sequences[:, :24], compiled.sequences[:, :24])
+    largest = 0.0
+    for step, (eager_logits, compiled_logits) in enumerate(zip(eager.scores, compiled.scores, strict=True)):
+        difference = (eager_logits.float() - compiled_logits.float()).nan_to_num(0.0).abs().amax(-1)  # -inf alike
+        largest = max(largest, difference.max().item())
+        assert largest < LOGIT_TOLERANCE
+        differs = eager.sequences[:, 24 + step] != compiled.sequences[:, 24 + step]
+        if differs.any():  # only where the eager choice is within the two logits' difference of a tie
+            best_two = eager_logits.float().topk(2).values
+            assert ((best_two[:, 0] - best_two[:, 1]) <= 2 * difference)[differs].all()
+            break
+    print(f"{quantizer} batch {batch} chunk {chunk}: {step + 1} steps compared, logits within {largest:.1e}")
 
 
 @requires_models

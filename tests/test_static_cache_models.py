@@ -30,6 +30,7 @@ LAYOUTS = {  # (base spec, per-site policy, window): KIVI's window holds a whole
     "kivi4-g32": (QuantSpec("kivi", 4, group_size=32), None, 32),
     "turbo3": (QuantSpec("turbo", 3), None, 8),
     "turbo4": (QuantSpec("turbo", 4), None, 8),
+    "ggml-q4_0": (QuantSpec("ggml", options={"type": "q4_0"}), None, 8),  # with llama.cpp's Hadamard rotation
 }
 
 

@@ -127,6 +127,13 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
     # KIVI-4: keys per channel over 32-token groups, which the exact window must hold
     DecodeCache("kvq-kivi4-static-step", "kvq KIVI-4 g32, window 32, static, compiled step loop", "kivi4",
                 _kvq_static(quantizer=("kivi", 4, "per_token", 32), window=32), loop="step"),
+    DecodeCache("kvq-kivi2-static-step", "kvq KIVI-2 g32, window 32, static, compiled step loop", "kivi2",
+                _kvq_static(quantizer=("kivi", 2, "per_token", 32), window=32), loop="step"),
+    # TurboQuant_mse: SRFT, then Lloyd-Max level indices and an fp16 norm per token
+    DecodeCache("kvq-turbo4-static-step", "kvq TurboQuant_mse-4, static, compiled step loop", "turbo4",
+                _kvq_static(quantizer=("turbo", 4)), loop="step"),
+    DecodeCache("kvq-turbo3-static-step", "kvq TurboQuant_mse-3, static, compiled step loop", "turbo3",
+                _kvq_static(quantizer=("turbo", 3)), loop="step"),
     # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
     # static cache's mask, see kvq.gqa_attention).
     DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",

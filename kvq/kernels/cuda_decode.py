@@ -55,7 +55,7 @@ def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, 
     """The shapes csrc/decode_attention.cu is written for (its header), with the window in the query's dtype.
     keys, values: PackedKV."""
     return (builds_on(query.device) and keys.bits in KEY_BITS and values.bits == 4 and keys.head_dim == HEAD_DIM
-            and keys.symmetric and values.symmetric
+            and keys.symmetric and values.symmetric and keys.codebook is None and values.codebook is None
             and keys.scales.shape[-1] == values.scales.shape[-1] == GROUPS
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= MAX_GQA and query.dtype in DTYPE_DEFINES

@@ -1,4 +1,4 @@
-"""Fused int4/int8 decode attention (query length 1) over a packed, rotated KV cache.
+"""Fused decode attention (query length 1) over a packed, rotated KV cache of 2-8-bit or codebook codes.
 
 Open-TQ-Metal Alg. 1 with FlashDecoding's split-K (Sec. 3.2, Eq. 5): each program reads packed K/V
 codes and their scales directly, turns the codes into fp16 integers in registers (a magic-number
@@ -8,7 +8,10 @@ query heads of a KV head (GQA), so every KV byte is read once. Scales never mult
 query's rows are laid out once per scale group, so each group's share of q . k meets its scale in
 float32 after the tensor-core product, and the probabilities carry the V scales into the second product.
 An asymmetric layout's unsigned codes decode as c * s + z: its offsets add z times the group's query sum to a
-key's score, and the probabilities' sum against z to the values (the Triton partial only).
+key's score, and the probabilities' sum against z to the values (the Triton partial only). Codebook codes
+(TurboQuant_mse's) become their levels in registers (a lookup in the small float32 table) and their per-token norm
+serves as the scale; the query, mapped by R^T, and the output, mapped back by R, make the attention run in the rotated
+domain, as the paper's decode does.
 
 Packed codes live in the quantizers' rotated, lambda-scaled domains (y = lam * R x). With
 query_map = R_k^T diag(1/lam_k) and output_map = diag(1/lam_v) R_v: q . k = (q query_map) . y_k and
@@ -59,27 +62,34 @@ def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
     """None when the fused kernels serve this step; else why the reference does."""
     keys, values = step.keys, step.values
     kv_heads = keys.codes.shape[1]
-    if triton_decode is None:
-        return "triton is not installed"
     if not keys.codes.is_cuda:
         return f"fused decode attention runs on CUDA, not {keys.codes.device.type}"
+    if query.shape[1] % kv_heads:
+        return "query heads must be a multiple of KV heads"
     for role, packed in (("K", keys), ("V", values)):
-        if packed.bits not in (4, 8):
-            return f"fused decode attention reads int4 or int8 codes, not {packed.bits}-bit {role}"
+        if packed.codebook is not None and packed.codebook.dtype != torch.float32:
+            return f"fused decode attention reads float32 codebooks, not {packed.codebook.dtype} ({role})"
+    return layout_reason(keys, values, query.shape[1] // kv_heads)
+
+
+def layout_reason(keys, values, gqa: int) -> str | None:
+    """None when the fused kernels read K and V stored as these layouts (PackedLayout or PackedKV: bits, head_dim,
+    groups, token_group) with `gqa` query heads per KV head; else why not."""
+    if triton_decode is None:
+        return "triton is not installed"
+    for role, packed in (("K", keys), ("V", values)):
+        if not 2 <= packed.bits <= 8:
+            return f"fused decode attention reads codes of 2-8 bits, not {packed.bits}-bit {role}"
     d = keys.head_dim
     if d // 2 < triton_decode.MIN_DOT or d & (d - 1):
         return f"fused decode attention needs a power-of-two head_dim >= {2 * triton_decode.MIN_DOT}, got {d}"
-    if query.shape[1] % kv_heads:
-        return "query heads must be a multiple of KV heads"
     if values.token_group > 1:
         return "value stats spanning tokens have no kernel"
-    if keys.codebook is not None or values.codebook is not None:
-        return "codebook codes have no decode kernel"
     group = keys.token_group
     if group > 1 and (group & (group - 1) or group < triton_decode.MIN_DOT):
         return f"per-channel key stats need a power-of-two token group >= {triton_decode.MIN_DOT}, got {group}"
     groups = (_query_groups(keys), values.groups)
-    if _padded_heads(query.shape[1] // kv_heads, *groups) * max(groups) > MAX_ROWS:
+    if _padded_heads(gqa, *groups) * max(groups) > MAX_ROWS:
         return "query heads x scale groups per KV head exceed what one program holds"
     return None
 
@@ -87,6 +97,8 @@ def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
 def step_description(query: torch.Tensor, step: DecodeStep) -> str:
     keys, values = step.keys, step.values
     def codes(packed) -> str:
+        if packed.codebook is not None:
+            return f"{packed.bits}-bit codebook"
         return f"int{packed.bits}" if packed.symmetric else f"uint{packed.bits} (with offsets)"
 
     key_groups = f"per channel over {keys.token_group} tokens" if keys.token_group > 1 else keys.groups
@@ -161,7 +173,8 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
         key_groups = _query_groups(keys)
         shape = (gqa, _padded_heads(gqa, key_groups, values.groups), d // 2, keys.bits, values.bits, key_groups,
                  values.groups, launch.block, int(not keys.symmetric), int(not values.symmetric),
-                 keys.token_group if keys.token_group > 1 else 0)
+                 keys.token_group if keys.token_group > 1 else 0, int(keys.codebook is not None),
+                 int(values.codebook is not None))
         constants = dict(SHAPE=shape, DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl,
                          num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts
@@ -203,5 +216,10 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
 
 def _triton_partial_args(query, mapped_query, step: DecodeStep, partials: tuple, lengths_pointer, counts: tuple,
                          scale: float) -> tuple:
-    return ((query, mapped_query), (step.keys.codes, step.keys.scales), (step.values.codes, step.values.scales),
-            step.window, partials, lengths_pointer, counts, float(scale))
+    return ((query, mapped_query), _packed_args(step.keys), _packed_args(step.values), step.window, partials,
+            lengths_pointer, counts, float(scale))
+
+
+def _packed_args(packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, stats and codebook levels (the stats stand in where there are none: the kernel leaves them unread)."""
+    return packed.codes, packed.scales, packed.scales if packed.codebook is None else packed.codebook

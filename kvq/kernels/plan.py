@@ -39,7 +39,8 @@ def _power_of_two(n: int) -> bool:
 def unsupported_reason(layout: PackedLayout) -> str | None:
     """None when a fused kernel implements this layout exactly; else why not."""
     if layout.token_group > 1:
-        return "stats spanning tokens (per channel over a token group) are written and read by the reference"
+        return ("the shared kernel body writes stats per token: stats spanning tokens (KIVI's keys) are written by "
+                "Triton on CUDA (kvq.kernels.triton_quantize), else by the reference")
     if layout.codebook:
         return "codebook codes are written and read by the reference"
     if layout.rotation not in ROTATION_CODES:

@@ -1,9 +1,10 @@
 """The Triton kernels of fused decode attention (kvq.kernels.decode_attention describes the algorithm) and a
 launcher that skips Triton's per-call argument binding.
 
-partial_kernel covers every shape csrc/decode_attention.cu does not: int8 codes, head sizes other than 128,
-more query heads per KV head, GPUs before sm_80. map_query_kernel maps the query into the codes' domain
-before it; reduce_kernel combines the partials where the CUDA reduce does not serve (head_dim other than 128).
+partial_kernel covers every shape csrc/decode_attention.cu does not: codes of 2-8 bits, codebook indices
+(TurboQuant_mse's), head sizes other than 128, more query heads per KV head, GPUs before sm_80. map_query_kernel
+maps the query into the codes' domain before it; reduce_kernel combines the partials where the CUDA reduce does not
+serve (head_dim other than 128).
 """
 
 import torch
@@ -21,8 +22,7 @@ def _nibbles_to_f16(low: int, high: int, exact: bool) -> tl.constexpr:
     1024 + n, 1024 + 16 n). Outputs: low nibbles, then high nibbles, of the 4 bytes. Biased (not `exact`), 8
     values per 6 instructions, serve keys, whose query takes the biases out (see _query_bias); exact ones also
     subtract them, 8 values per 10 instructions, for values, whose accumulators would otherwise carry the
-    biases across a whole split (the tensor cores' float32 sums truncate: 5e-4 max abs error at 8K tokens in
-    the GPU test)."""
+    biases across a whole split, where the tensor cores' truncating float32 sums would lose their low bits."""
     low_magic, high_magic = 0x6400 + low - 1024, 0x6400 + (high - 1024) // 16 * 16
 
     def pair(half: int) -> str:
@@ -67,32 +67,55 @@ WINDOW_BLOCK = tl.constexpr(MIN_DOT)  # residual windows are ~16 tokens
 
 @triton.jit
 def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, VALUES: tl.constexpr,
-                SIGNED: tl.constexpr):
-    """Even and odd coordinates of a (BLOCK, d) tile of codes as fp16 integers (codes_ptr: this head's
-    rows of HALF * BITS // 4 bytes), two's complement where SIGNED, else unsigned; int4 keys come biased
-    (_nibbles_to_f16). For values the conversion is marked impure, which pins it where it is written: Triton
-    otherwise moves the tile's layout change ahead of it, to shift bytes rather than halves, and as V's
-    products run over tokens that gathers the bytes one at a time from shared memory."""
+                SIGNED: tl.constexpr, codebook_ptr, CODEBOOK: tl.constexpr):
+    """Even and odd coordinates of a (BLOCK, d) tile of codes as fp16 (codes_ptr: this head's rows of
+    HALF * BITS // 4 bytes): integers, two's complement where SIGNED, else unsigned, int4 keys biased
+    (_nibbles_to_f16); or, where CODEBOOK, the float32 levels at codebook_ptr that the codes index. For int4 values
+    the conversion is marked impure, which pins it where it is written: Triton otherwise moves the tile's layout
+    change ahead of it, to shift bytes rather than halves, and as V's products run over tokens that gathers the
+    bytes one at a time from shared memory."""
+    if CODEBOOK:
+        even, odd = _load_indices(codes_ptr, tokens, valid, BITS, HALF)
+        return tl.load(codebook_ptr + even).to(tl.float16), tl.load(codebook_ptr + odd).to(tl.float16)
+    if BITS == 4:
+        byte = tl.load(codes_ptr + tokens[:, None] * HALF + tl.arange(0, HALF)[None, :],
+                       mask=valid[:, None], other=0)
+        if SIGNED:
+            return _nibbles(byte, _SIGNED_EXACT if VALUES else _SIGNED_BIASED, VALUES)
+        return _nibbles(byte, _UNSIGNED_EXACT if VALUES else _UNSIGNED_BIASED, VALUES)
+    even, odd = _load_indices(codes_ptr, tokens, valid, BITS, HALF)
+    if SIGNED:  # two's complement of BITS bits
+        even = even - ((even >> (BITS - 1)) << BITS)
+        odd = odd - ((odd >> (BITS - 1)) << BITS)
+    return even.to(tl.float16), odd.to(tl.float16)
+
+@triton.jit
+def _load_indices(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr):
+    """Even and odd coordinates' unsigned codes of a (BLOCK, d) tile as int32 (kvq.quant.packing's little-end-first
+    bit stream per row): int4 one byte per coordinate pair, int8 one 16-bit load (the low byte the even
+    coordinate), other widths each coordinate's bits from the one or two bytes they span."""
     pairs = tl.arange(0, HALF)
     row_bytes: tl.constexpr = HALF * BITS // 4
     if BITS == 4:
         byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + pairs[None, :], mask=valid[:, None], other=0)
-        if SIGNED:
-            even, odd = _nibbles(byte, _SIGNED_EXACT if VALUES else _SIGNED_BIASED, VALUES)
-        else:
-            even, odd = _nibbles(byte, _UNSIGNED_EXACT if VALUES else _UNSIGNED_BIASED, VALUES)
-    else:
-        # one 16-bit load per coordinate pair, as int4 reads one byte per pair: the low byte is the even
-        # coordinate, and arithmetic shifts sign-extend each byte (a mask takes unsigned ones)
+        byte = byte.to(tl.int32)
+        return byte & 0xF, byte >> 4
+    if BITS == 8:
         words = codes_ptr.to(tl.pointer_type(tl.int16)) + tokens[:, None] * (row_bytes // 2) + pairs[None, :]
-        word = tl.load(words, mask=valid[:, None], other=0)
-        if SIGNED:
-            even = ((word << 8) >> 8).to(tl.float16)
-            odd = (word >> 8).to(tl.float16)
-        else:
-            even = (word & 0xFF).to(tl.float16)
-            odd = ((word >> 8) & 0xFF).to(tl.float16)
-    return even, odd
+        word = tl.load(words, mask=valid[:, None], other=0).to(tl.int32)
+        return word & 0xFF, (word >> 8) & 0xFF
+    rows = codes_ptr + tokens[:, None] * row_bytes
+    return (_bit_field(rows, 2 * pairs, valid, BITS, row_bytes),
+            _bit_field(rows, 2 * pairs + 1, valid, BITS, row_bytes))
+
+@triton.jit
+def _bit_field(rows, coordinates, valid, BITS: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """The BITS-bit unsigned code of each coordinate in each row (rows: (BLOCK, 1) pointers to row starts)."""
+    bit = coordinates * BITS
+    first = (bit // 8)[None, :]
+    low = tl.load(rows + first, mask=valid[:, None], other=0).to(tl.int32)
+    high = tl.load(rows + first + 1, mask=valid[:, None] & (first + 1 < ROW_BYTES), other=0).to(tl.int32)
+    return ((low | (high << 8)) >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
 
 @triton.jit
 def _nibbles(byte, CONVERSION: tl.constexpr, PINNED: tl.constexpr):
@@ -163,11 +186,11 @@ def _online_softmax_step(query, k_bias, keys, k_stats, values, v_stats, valid, s
 
 
 @triton.jit
-def _query_bias(query, BITS: tl.constexpr, SIGNED: tl.constexpr):
-    """Each query row's product with the biases of int4 keys, q_even . low + q_odd . high, where q_odd was
-    divided by 16 (_grouped_query's odd scale); zeros for int8 keys."""
+def _query_bias(query, NIBBLES: tl.constexpr, SIGNED: tl.constexpr):
+    """Each query row's product with the biases of int4 keys read as biased nibbles (NIBBLES), q_even . low +
+    q_odd . high, where q_odd was divided by 16 (_grouped_query's odd scale); zeros for keys read exact."""
     q_even, q_odd = query
-    if BITS == 4:
+    if NIBBLES:
         if SIGNED:
             return SIGNED_LOW_BIAS * tl.sum(q_even.to(tl.float32), 1) + SIGNED_HIGH_BIAS * tl.sum(
                 q_odd.to(tl.float32), 1)
@@ -176,11 +199,11 @@ def _query_bias(query, BITS: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _query_sums(query, BITS: tl.constexpr):
-    """Each query row's sum over its group's coordinates (what an offset multiplies), the odd half's int4
-    division by 16 undone."""
+def _query_sums(query, NIBBLES: tl.constexpr):
+    """Each query row's sum over its group's coordinates (what an offset multiplies), the odd half's division by 16
+    for nibbles undone."""
     q_even, q_odd = query
-    odd_step: tl.constexpr = HIGH_STEP if BITS == 4 else 1.0
+    odd_step: tl.constexpr = HIGH_STEP if NIBBLES else 1.0
     return tl.sum(q_even.to(tl.float32), 1) + odd_step * tl.sum(q_odd.to(tl.float32), 1)
 
 
@@ -195,7 +218,7 @@ def _channel_query(ptr, row_offset, row_ok, scale, HALF: tl.constexpr):
     return even, odd
 
 @triton.jit
-def _channel_scaled_query(query, stats_ptr, HALF: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr,
+def _channel_scaled_query(query, stats_ptr, HALF: tl.constexpr, NIBBLES: tl.constexpr, SIGNED: tl.constexpr,
                           OFFSETS: tl.constexpr):
     """Keys with a scale s and an offset z per channel over a token group (KIVI's), decoding c * s + z: the
     group's query q * s in fp16 (its odd half over 16 for int4, as _grouped_query's) and each row's bias, the
@@ -203,11 +226,11 @@ def _channel_scaled_query(query, stats_ptr, HALF: tl.constexpr, BITS: tl.constex
     row, scales then offsets."""
     q_even, q_odd = query
     pairs = tl.arange(0, HALF)
-    odd_step: tl.constexpr = 1.0 / HIGH_STEP if BITS == 4 else 1.0
+    odd_step: tl.constexpr = 1.0 / HIGH_STEP if NIBBLES else 1.0
     s_even = tl.load(stats_ptr + 2 * pairs).to(tl.float32)
     s_odd = tl.load(stats_ptr + 2 * pairs + 1).to(tl.float32) * odd_step
     scaled = ((q_even * s_even[None, :]).to(tl.float16), (q_odd * s_odd[None, :]).to(tl.float16))
-    bias = _query_bias(scaled, BITS, SIGNED)
+    bias = _query_bias(scaled, NIBBLES, SIGNED)
     if OFFSETS:
         z_even = tl.load(stats_ptr + 2 * HALF + 2 * pairs).to(tl.float32)
         z_odd = tl.load(stats_ptr + 2 * HALF + 2 * pairs + 1).to(tl.float32)
@@ -240,14 +263,16 @@ def _grouped_query(ptr, row_offset, row_ok, scales, HALF: tl.constexpr, GROUPS: 
 @triton.jit(do_not_specialize=["counts"])
 def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts, scale, SHAPE: tl.constexpr,
                    DEVICE_LENGTHS: tl.constexpr, PDL: tl.constexpr):
-    """queries: (q, q @ query_map), (B, Hq, d); keys, values: (codes, stats), (B, Hkv, capacity, .) buffers;
+    """queries: (q, q @ query_map), (B, Hq, d); keys, values: (codes, stats, codebook), (B, Hkv, capacity, .)
+    buffers and the float32 levels codebook codes index (unread without them);
     window: (keys, values), (B, Hkv, window_capacity, d); partials: (sums (B, Hq, splits, d), maxima and
     normalizers (B, Hq, splits)); all contiguous. counts: (n_packed, n_window, tokens_per_split, capacity,
     window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS,
-    V_OFFSETS, K_TOKEN_GROUP): K and V codes of their own widths (4 or 8), signed, or unsigned with offsets after
-    the scales where K_OFFSETS / V_OFFSETS (an asymmetric layout); where K_TOKEN_GROUP > 0, keys with stats per
-    channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one stats row per token group, which each
-    tile folds into the query (_channel_scaled_query).
+    V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK): K and V codes of their own widths (2-8 bits), signed, or
+    unsigned with offsets after the scales where K_OFFSETS / V_OFFSETS (an asymmetric layout), or indices into a
+    codebook with one scale (the norm) per token where K_CODEBOOK / V_CODEBOOK; where K_TOKEN_GROUP > 0, keys with
+    stats per channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one stats row per token group, which
+    each tile folds into the query (_channel_scaled_query).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
     whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
     counts come from lengths_ptr (see device_lengths) instead of counts."""
@@ -262,6 +287,9 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     K_OFFSETS: tl.constexpr = SHAPE[8]
     V_OFFSETS: tl.constexpr = SHAPE[9]
     K_TOKEN_GROUP: tl.constexpr = SHAPE[10]
+    K_CODEBOOK: tl.constexpr = SHAPE[11]
+    V_CODEBOOK: tl.constexpr = SHAPE[12]
+    K_NIBBLES: tl.constexpr = K_BITS == 4 and not K_CODEBOOK
     K_STATS: tl.constexpr = (2 * HALF if K_TOKEN_GROUP > 0 else K_GROUPS) * (1 + K_OFFSETS)
     V_STATS: tl.constexpr = V_GROUPS * (1 + V_OFFSETS)
     K_SIGNED: tl.constexpr = 1 - K_OFFSETS
@@ -295,10 +323,10 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             ks = keys[1] + (row // K_TOKEN_GROUP) * K_STATS
         else:
             query = _grouped_query(qmap_ptr, q_offset, row_ok,
-                                   (scale, scale / HIGH_STEP if K_BITS == 4 else scale), HALF, K_GROUPS, GQA_P)
-            k_bias = _query_bias(query, K_BITS, K_SIGNED)
+                                   (scale, scale / HIGH_STEP if K_NIBBLES else scale), HALF, K_GROUPS, GQA_P)
+            k_bias = _query_bias(query, K_NIBBLES, K_SIGNED)
             ks = keys[1] + row * K_STATS
-        q_sums = _query_sums(query, K_BITS)
+        q_sums = _query_sums(query, K_NIBBLES)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_packed)
         kc = keys[0] + row * (HALF * K_BITS // 4)
@@ -309,7 +337,7 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             valid = tokens < end
             if K_TOKEN_GROUP > 0:
                 query, k_bias = _channel_scaled_query(channel_query, ks + (t0 // K_TOKEN_GROUP) * K_STATS, HALF,
-                                                      K_BITS, K_SIGNED, K_OFFSETS)
+                                                      K_NIBBLES, K_SIGNED, K_OFFSETS)
                 k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
             else:
                 k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS)
@@ -321,8 +349,9 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             if V_OFFSETS:
                 v_offsets = _load_scales(vs + V_GROUPS, tokens, valid, V_GROUPS, V_STATS)
             m_i, l_i, acc_even, acc_odd, acc_offset = _online_softmax_step(
-                query, k_bias, _load_codes(kc, tokens, valid, K_BITS, HALF, False, K_SIGNED),
-                (k_scales, k_offsets, q_sums), _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED),
+                query, k_bias, _load_codes(kc, tokens, valid, K_BITS, HALF, False, K_SIGNED, keys[2], K_CODEBOOK),
+                (k_scales, k_offsets, q_sums),
+                _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, values[2], V_CODEBOOK),
                 (v_scales, v_offsets), valid, (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK,
                 K_OFFSETS and K_TOKEN_GROUP == 0, V_OFFSETS)
     else:

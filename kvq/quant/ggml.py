@@ -17,6 +17,12 @@ by the 64 x 64 one, block-diagonally; llama.cpp rotates queries the same way and
 back, which equals decoding through the inverse rotation here. It applies when head_dim is a multiple of 64,
 as in llama.cpp.
 
+The q4_0, q4_1, q5_0, q5_1 and q8_0 blocks are kvq packed layouts (`packed_form`, scheme "ggml"): a block's codes
+less its type's zero (8 or 16 for q4_0 and q5_0) are signed codes of 4, 5 or 8 bits with the fp16 d as a group-32
+scale, and the _1 types' codes unsigned with d and m as scale and offset, so kvq's packed cache holds them in as
+many bytes and its decode kernels read them, and kvq.ops writes them with this arithmetic (`layout_codes`). The
+layout packs a row's codes neighbour by neighbour, not ggml's block byte order. iq4_nl's levels have no layout.
+
 Method card. Follows ggml-quants.c / gguf-py 0.19 and llama-kv-cache.cpp. Rotation products run in float32
 with torch's matmul rather than ggml's, so rotated values may differ from llama.cpp's in the last bit.
 """
@@ -29,7 +35,10 @@ import torch
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.blocks import merge_blocks, pack_nibbles, require_blocks, split_blocks, unpack_nibbles
 from kvq.quant.config import QuantizerConfig, register_quantizer
+from kvq.quant.layout import PackedForm, PackedLayout
+from kvq.quant.packing import pack
 from kvq.quant.spec import Site
+from kvq.rotations import BlockDiagonal, Identity
 
 BLOCK = 32
 ROTATION_MIN = 64
@@ -37,6 +46,9 @@ IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69
 # bits per element of each type's block: payload and fp16 side data over 32 coordinates
 TYPE_BITS = {"q4_0": 18 * 8 / BLOCK, "q4_1": 20 * 8 / BLOCK, "q5_0": 22 * 8 / BLOCK, "q5_1": 24 * 8 / BLOCK,
              "q8_0": 34 * 8 / BLOCK, "iq4_nl": 18 * 8 / BLOCK}
+# the types a packed layout holds: (code bits, signed) -> type, and the zero a signed type's codes are stored less
+LAYOUT_TYPES = {(4, True): "q4_0", (5, True): "q5_0", (8, True): "q8_0", (4, False): "q4_1", (5, False): "q5_1"}
+CODE_ZERO = {"q4_0": 8, "q5_0": 16, "q8_0": 0}
 
 
 @dataclass
@@ -85,37 +97,55 @@ def unpack_fifth_bits(high: torch.Tensor) -> torch.Tensor:
     return ((high.unsqueeze(-1) >> shifts) & 1).reshape(*high.shape[:-1], BLOCK)
 
 
+def block_codes(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """ggml's quantize of float32 blocks (..., blocks, 32) of a q4/q5/q8 type: int32 codes, d (float32, fp16 once
+    stored) and the _1 types' fp16 minimum."""
+    minimum = None
+    if kind in ("q4_0", "q5_0"):
+        levels = 16 if kind == "q4_0" else 32
+        d = signed_extreme(blocks) / -(levels // 2)
+        codes = torch.trunc(blocks * inverse(d) + (levels // 2 + 0.5)).clamp(0, levels - 1)
+    elif kind in ("q4_1", "q5_1"):
+        levels = 16 if kind == "q4_1" else 32
+        lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = (hi - lo) / (levels - 1)
+        codes = torch.trunc((blocks - lo) * inverse(d) + 0.5).clamp(0, levels - 1)
+        minimum = lo.to(torch.float16)
+    else:
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        codes = round_half_away(blocks * inverse(d))
+    return codes.to(torch.int32), d, minimum
+
+
+def layout_codes(y: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated float32 rows (n, d) -> the layout's codes (n, d * bits / 8) and fp16 stats (n, d / 32 scales, then
+    as many minima for the _1 types): ggml's arithmetic, each signed type's codes less its zero."""
+    kind = LAYOUT_TYPES[(layout.bits, layout.symmetric)]
+    codes, d, minimum = block_codes(split_blocks(y, BLOCK, kind), kind)
+    if kind in CODE_ZERO:
+        codes = codes - CODE_ZERO[kind]
+    stats = [d.to(torch.float16)] if minimum is None else [d.to(torch.float16), minimum]
+    return pack(merge_blocks(codes), layout.bits), torch.cat([s.squeeze(-1) for s in stats], dim=-1)
+
+
 class GGMLBlocks(Quantizer):
-    def __init__(self, kind: str, rotation: torch.Tensor | None):
+    def __init__(self, kind: str, rotation: BlockDiagonal | None, d: int):
         self.kind = kind
-        self.rotation = rotation  # (n, n) symmetric, applied block-diagonally along head_dim, or None
+        self.rotation = rotation  # applied block-diagonally along head_dim, its own inverse; or None
+        self.d = d
+        self._form: PackedForm | None = None
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rotation is None:
-            return x.float()
-        n = self.rotation.shape[0]
-        chunks = x.float().reshape(*x.shape[:-1], x.shape[-1] // n, n)
-        return (chunks @ self.rotation.to(x.device)).reshape(x.shape)
+        return x.float() if self.rotation is None else self.rotation.forward(x.float())
 
     def encode(self, x: torch.Tensor) -> GGMLPacked:
         blocks = split_blocks(self._rotate(x), BLOCK, self.kind)
-        minimum = high = None
-        if self.kind in ("q4_0", "q5_0"):
-            levels = 16 if self.kind == "q4_0" else 32
-            d = signed_extreme(blocks) / -(levels // 2)
-            codes = torch.trunc(blocks * inverse(d) + (levels // 2 + 0.5)).clamp(0, levels - 1)
-        elif self.kind in ("q4_1", "q5_1"):
-            levels = 16 if self.kind == "q4_1" else 32
-            lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-            d = (hi - lo) / (levels - 1)
-            codes = torch.trunc((blocks - lo) * inverse(d) + 0.5).clamp(0, levels - 1)
-            minimum = lo.to(torch.float16)
-        elif self.kind == "q8_0":
-            d = blocks.abs().amax(-1, keepdim=True) / 127
-            codes = round_half_away(blocks * inverse(d))
-        else:
+        high = None
+        if self.kind == "iq4_nl":
             codes, d = self._iq4_nl(blocks)
-        codes = codes.to(torch.int32)
+            codes, minimum = codes.to(torch.int32), None
+        else:
+            codes, d, minimum = block_codes(blocks, self.kind)
         if self.kind == "q8_0":
             low = codes.to(torch.int8).view(torch.uint8)
         else:
@@ -159,7 +189,20 @@ class GGMLBlocks(Quantizer):
         return TYPE_BITS[self.kind]
 
     def packing_reason(self) -> str | None:
-        return "ggml blocks run through the reference cache; no fused kernel reads them yet"
+        if self.kind == "iq4_nl":
+            return "iq4_nl's non-uniform levels with a scale per 32-coordinate block have no packed layout"
+        return None
+
+    def packed_form(self) -> PackedForm | None:
+        if self.packing_reason() is not None:
+            return None
+        if self._form is None:
+            bits, symmetric = next(key for key, kind in LAYOUT_TYPES.items() if kind == self.kind)
+            rotation = self.rotation or Identity(self.d)
+            layout = PackedLayout(self.d, bits, BLOCK, torch.float16, symmetric, rotation.kind, scheme="ggml")
+            self._form = PackedForm(layout, torch.ones(self.d), rotation.matrix(),
+                                    block=None if self.rotation is None else self.rotation.block)
+        return self._form
 
 
 def walsh_hadamard(n: int) -> torch.Tensor:
@@ -197,4 +240,4 @@ class GGMLConfig(QuantizerConfig):
     def build(self, site: Site, seed: int) -> Quantizer:
         require_blocks(site.d, BLOCK, f"ggml {self.type}")
         n = rotation_block(site.role, site.d) if self.hadamard else None
-        return GGMLBlocks(self.type, walsh_hadamard(n) if n else None)
+        return GGMLBlocks(self.type, BlockDiagonal(walsh_hadamard(n), site.d) if n else None, site.d)

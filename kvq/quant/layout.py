@@ -11,9 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Rotations named by kind: the kernels apply these from their sign vector alone. "matrix" is any other
-# orthogonal map (learned, composed), which only the reference applies, from its matrix.
+# Rotations named by kind: the kernels apply these from their sign vector alone. "blocks" is a symmetric block
+# applied along head_dim block by block (llama.cpp's Hadamard, kvq.rotations.BlockDiagonal), "matrix" any other
+# orthogonal map (learned, composed); only the reference applies those, from the block or the matrix.
 SIGNED_ROTATIONS = ("identity", "srht", "srft")
+# Who writes a layout's codes: kvq's scalar arithmetic (kvq.quant.scalar: abs-max or min-max scales, round half to
+# even) or llama.cpp's block arithmetic (kvq.quant.ggml: its scales, its rounding), which only the reference runs.
+SCHEMES = ("kvq", "ggml")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class PackedLayout:
     after its scales, as many offsets of the same dtype, and decodes c * scale + offset: a stats row holds both.
     A `codebook` layout holds unsigned codes indexing its form's codebook and one scale per token (group_size ==
     head_dim), and decodes R^-1(codebook[c]) * scale (TurboQuant_mse: the unit vector's levels, then its norm).
+    `scheme` names the arithmetic that writes the codes (SCHEMES); reading them does not depend on it.
     """
 
     head_dim: int
@@ -36,8 +41,11 @@ class PackedLayout:
     rotation: str = "identity"
     token_group: int = 1
     codebook: bool = False
+    scheme: str = "kvq"
 
     def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
         if self.token_group > 1 and self.group_size != 1:
             raise ValueError("stats spanning tokens are per channel: token_group > 1 takes group_size 1")
         if self.codebook and (self.group_size != self.head_dim or not self.symmetric or self.token_group > 1):
@@ -60,25 +68,31 @@ class PackedLayout:
 @dataclass(frozen=True, eq=False)
 class PackedForm:
     """A layout with its constants: `signs` (head_dim,) of the signed rotation (ones for the identity),
-    `matrix` (head_dim, head_dim) with R x = x @ matrix.T, lambda floored as decode divides by it, and a
-    codebook layout's levels (2^bits,) float32."""
+    `matrix` (head_dim, head_dim) with R x = x @ matrix.T, lambda floored as decode divides by it, a
+    codebook layout's levels (2^bits,) float32, and a "blocks" rotation's block (n, n)."""
 
     layout: PackedLayout
     signs: torch.Tensor
     matrix: torch.Tensor
     lam: torch.Tensor | None = None
     codebook: torch.Tensor | None = None
+    block: torch.Tensor | None = None
     _on: dict = field(default_factory=dict, repr=False)
 
     @property
     def rotation_input(self) -> torch.Tensor:
-        """What kvq::quantize takes as its rotation: the signs of a signed rotation, else the matrix."""
-        return self.signs if self.layout.rotation in SIGNED_ROTATIONS else self.matrix
+        """What kvq::quantize takes as its rotation: the signs of a signed rotation, the block of a "blocks" one,
+        else the matrix."""
+        if self.layout.rotation in SIGNED_ROTATIONS:
+            return self.signs
+        return self.block if self.layout.rotation == "blocks" else self.matrix
 
     def on(self, device: torch.device) -> "PackedForm":
         """The same form with its constants on `device`, made once per device."""
         key = str(device)
         if key not in self._on:
-            lam, codebook = (t.to(device) if t is not None else None for t in (self.lam, self.codebook))
-            self._on[key] = PackedForm(self.layout, self.signs.to(device), self.matrix.to(device), lam, codebook)
+            lam, codebook, block = (t.to(device) if t is not None else None
+                                    for t in (self.lam, self.codebook, self.block))
+            self._on[key] = PackedForm(self.layout, self.signs.to(device), self.matrix.to(device), lam, codebook,
+                                       block)
         return self._on[key]
