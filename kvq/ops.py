@@ -17,7 +17,7 @@ import torch
 from kvq.kernels import backend_for, note_fallback
 from kvq.kernels.plan import kernel_constants, packed_codes, packed_stats, per_token_stats, unsupported_reason
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
-from kvq.quant import ggml
+from kvq.quant import ggml, mlx_affine
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.codebooks import decode_unit_vector, encode_unit_vector
 from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from kvq.kernels.launch import LaunchConfig
 
 SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
+# the engines' arithmetic per layout scheme: rotated float32 rows (n, d) -> codes and stats
+ENGINE_CODES = {"ggml": ggml.layout_codes, "mlx": mlx_affine.layout_codes}
 
 
 def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, symmetric: bool,
@@ -55,14 +57,14 @@ def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Te
     """RotatedQuantizer.encode's arithmetic on (n, d) rows -> codes and stats (scales, then any offsets); where
     the stats span tokens, KIVI's per-channel arithmetic over each `token_group` consecutive rows (n a multiple);
     for a codebook layout TurboQuant_mse's (Alg. 1: the norm, then the nearest level of each coordinate of the
-    rotated unit vector); for the "ggml" scheme llama.cpp's block arithmetic (kvq.quant.ggml.layout_codes).
+    rotated unit vector); for an engine's scheme the engine's arithmetic (ENGINE_CODES).
     rotation: the signs (d,) of a signed rotation kind, the block of a "blocks" one, else its matrix (d, d)."""
     if layout.codebook:
         codes, norm = encode_unit_vector(rows.float(), _rotation(rotation, layout), codebook)
         return pack(codes.to(torch.int16), layout.bits), norm
     y = _rotation(rotation, layout).forward(rows.float())
-    if layout.scheme == "ggml":
-        return ggml.layout_codes(y, layout)
+    if layout.scheme != "kvq":
+        return ENGINE_CODES[layout.scheme](y, layout)
     if lam is not None:
         y = y * lam.float()
     if layout.token_group > 1:

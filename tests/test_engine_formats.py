@@ -242,13 +242,29 @@ def test_ggml_hadamard_is_orthonormal_and_rotated_blocks_equal_gguf_on_rotated_i
 def test_mlx_affine_equals_mx_quantize(bits, dtype):
     mx = pytest.importorskip("mlx.core")
     x = wide_range((2, 3, 40, 128)).to(dtype)
-    quantizer = MLXAffine(bits, 64)
+    quantizer = MLXAffine(bits, 64, 128)
     packed = quantizer.encode(x)
     codes, scales, biases = mx.quantize(mx.array(x.numpy()), group_size=64, bits=bits)
     assert np.array_equal(np.array(codes).view(np.uint8).reshape(packed.codes.shape), packed.codes.numpy())
     assert np.array_equal(np.array(scales).astype(np.float16).reshape(packed.scales.shape), packed.scales.numpy())
     assert np.array_equal(np.array(biases).astype(np.float16).reshape(packed.biases.shape), packed.biases.numpy())
     assert quantizer.bits_per_element(128, 40) == bits + 0.5
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_mlx_affine_as_a_packed_layout_holds_its_codes_scales_and_biases(bits):
+    """kvq.ops writes MLX affine's packed layout with MLX's arithmetic: the same codes, and its fp16 scales and biases
+    as the layout's scales and offsets, in as many bytes, decoding to what its decode gives."""
+    quantizer = MLXAffine(bits, 64, 128)
+    form = quantizer.packed_form()
+    assert form.layout.scheme == "mlx" and not form.layout.symmetric
+    x = wide_range((2, 3, 40, 128))
+    codes, stats = ops.quantize(x, form)
+    packed = quantizer.encode(x)
+    assert torch.equal(codes, packed.codes)
+    assert torch.equal(stats, torch.cat([packed.scales, packed.biases], dim=-2).squeeze(-1))
+    assert 8 * (codes.numel() + 2 * stats.numel()) == packed.storage_bits()
+    assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
 
 
 # --- FP8 ------------------------------------------------------------------------------------------------

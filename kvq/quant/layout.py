@@ -16,8 +16,9 @@ import torch
 # orthogonal map (learned, composed); only the reference applies those, from the block or the matrix.
 SIGNED_ROTATIONS = ("identity", "srht", "srft")
 # Who writes a layout's codes: kvq's scalar arithmetic (kvq.quant.scalar: abs-max or min-max scales, round half to
-# even) or llama.cpp's block arithmetic (kvq.quant.ggml: its scales, its rounding), which only the reference runs.
-SCHEMES = ("kvq", "ggml")
+# even), llama.cpp's block arithmetic (kvq.quant.ggml) or MLX's affine one (kvq.quant.mlx_affine), each with its own
+# scales and rounding; only the reference runs the engines'.
+SCHEMES = ("kvq", "ggml", "mlx")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ mlx-lm's `quantized_kv_start` (keep the cache in full precision until it holds t
 quantize all of it) is the protocol's business, not the quantizer's: its nearest form is `exact_prefill`
 (the prompt exact, generated tokens quantized), kvq.protocol.
 
+The codes are a kvq packed layout (`packed_form`, scheme "mlx"): unsigned b-bit codes with the fp16 scale and bias
+as a group's scale and offset, so kvq's packed cache holds them in as many bytes and its decode kernels read them,
+and kvq.ops writes them with this arithmetic (`layout_codes`).
+
 Method card. Follows MLX 0.32 (`mx.quantize`, affine): codes, scales and biases equal `mlx.core.quantize` on
 float32 and fp16 input, with scale and bias stored in fp16 whatever the model dtype (as mlx-lm with an fp16
 model stores them). Decoding is in float32, as MLX's quantized attention matmuls accumulate; MLX's standalone
@@ -24,6 +28,7 @@ from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.blocks import merge_blocks, require_blocks, split_blocks
 from kvq.quant.config import QuantizerConfig, register_quantizer
+from kvq.quant.layout import PackedForm, PackedLayout
 from kvq.quant.packing import pack, unpack
 from kvq.quant.spec import Site
 
@@ -41,11 +46,13 @@ class AffinePacked(Packed):
 
 
 class MLXAffine(Quantizer):
-    def __init__(self, bits: int, group_size: int):
+    def __init__(self, bits: int, group_size: int, d: int):
         if bits not in MLX_BITS:
             raise KvqError(f"mlx affine bits must be one of {', '.join(map(str, MLX_BITS))}, got {bits}")
         self.bits = bits
         self.group_size = group_size
+        self.d = d
+        self._form: PackedForm | None = None
 
     def quantize(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float32 codes, scales and biases of (..., groups, G), before the side data is stored."""
@@ -74,8 +81,22 @@ class MLXAffine(Quantizer):
     def bits_per_element(self, d: int, n_tokens: int) -> float:
         return self.bits + 2 * SIDE_BITS / self.group_size
 
-    def packing_reason(self) -> str | None:
-        return "mlx affine codes run through the reference cache; no fused kernel reads them yet"
+    def packed_form(self) -> PackedForm:
+        if self._form is None:
+            layout = PackedLayout(self.d, self.bits, self.group_size, torch.float16, symmetric=False, scheme="mlx")
+            self._form = PackedForm(layout, torch.ones(self.d), torch.eye(self.d))
+        return self._form
+
+    def packing_reason(self) -> None:
+        return None
+
+
+def layout_codes(y: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 rows (n, d) -> the layout's codes (n, d * bits / 8) and fp16 stats (n, scales then biases): MLX's
+    arithmetic (MLXAffine.quantize)."""
+    quantizer = MLXAffine(layout.bits, layout.group_size, layout.head_dim)
+    codes, scale, bias = quantizer.quantize(split_blocks(y, layout.group_size, "mlx affine"))
+    return pack(merge_blocks(codes), layout.bits), torch.cat([scale.half(), bias.half()], dim=-2).squeeze(-1)
 
 
 @register_quantizer("mlx")
@@ -89,4 +110,4 @@ class MLXAffineConfig(QuantizerConfig):
 
     def build(self, site: Site, seed: int) -> Quantizer:
         require_blocks(site.d, self.group_size, "mlx affine")
-        return MLXAffine(self.bits, self.group_size)
+        return MLXAffine(self.bits, self.group_size, site.d)
