@@ -190,8 +190,8 @@ class StaticQuantizedLayer(StaticKVLayer):
         return [*(t for p in self.packed.values() for t in (p.codes, p.scales)), *self.ring.values()]
 
     def _tensors(self) -> list[torch.Tensor]:
-        constants = [t for form in self.forms.values() for t in (form.signs, form.matrix, form.lam, form.codebook)
-                     if t is not None]
+        constants = [t for form in self.forms.values()
+                     for t in (form.signs, form.matrix, form.lam, form.codebook, form.block) if t is not None]
         return [*super()._tensors(), self.counts, self.maps.query, self.maps.output, *constants]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
