@@ -184,15 +184,15 @@ class DomainMaps:
 class FusedLayer(WindowedLayer):
     def __init__(self, bank: QuantizerBank, layer: int, residual: int):
         super().__init__(bank, layer, residual)
-        for quantizer in self.quantizers.values():
-            if quantizer.packed_form() is None:
+        self.forms = {role: quantizer.packed_form() for role, quantizer in self.quantizers.items()}
+        for role, quantizer in self.quantizers.items():
+            if self.forms[role] is None:
                 raise KvqError(f"the fused cache stores packed layouts only: {quantizer.packing_reason()}")
-            layout = quantizer.packed_form().layout
+            layout = self.forms[role].layout
             if layout.token_group > 1 or layout.codebook:
                 what = "stats span tokens" if layout.token_group > 1 else "codes index a codebook"
                 raise KvqError(f"the fused cache stores scalar codes with stats per token; "
                                f"{type(quantizer).__name__}'s {what} (the static quantized cache holds them)")
-        self.forms = {role: quantizer.packed_form() for role, quantizer in self.quantizers.items()}
         self.stores: dict[str, PackedStore] = {}
         self.raw: dict[str, torch.Tensor] = {}
         self.slots: list[list[torch.Tensor]] = []  # per window row: its (K, V) views
