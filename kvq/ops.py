@@ -252,6 +252,14 @@ def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts
                                           values.token_group, keys.codebook, values.codebook, counts)
 
 
+def decode_layout_reason(keys: PackedLayout, values: PackedLayout, gqa: int) -> str | None:
+    """None where CUDA's fused decode attention reads K and V stored in these layouts, with `gqa` query heads per KV
+    head; else why the reference would serve. The kernels' modules are imported here, when asked."""
+    from kvq.kernels.decode_attention import layout_reason
+
+    return layout_reason(keys, values, gqa)
+
+
 def _row_form(quantizer: Quantizer) -> PackedForm | None:
     """The quantizer's packed form where its encode is that layout's arithmetic over every row, scalar codes with
     per-token stats, which a kernel may write (encode and decode take rows through the ops). A quantizer whose

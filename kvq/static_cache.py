@@ -297,12 +297,10 @@ class StaticQuantizedCache(StaticCache):
     def decode_kernel_reason(self, query_heads: int) -> str | None:
         """None where a CUDA decode step of every quantized layer runs the fused kernels (with `query_heads` query
         heads); else, for the first layer that would attend through the reference, why."""
-        from kvq.kernels.decode_attention import layout_reason  # the kernels' modules: CUDA callers only
-
         for index, layer in enumerate(self.layers):
             if isinstance(layer, StaticQuantizedLayer):
                 keys, values = (layer.forms[role].layout for role in ROLES)
-                reason = layout_reason(keys, values, query_heads // layer.kv_heads)
+                reason = ops.decode_layout_reason(keys, values, query_heads // layer.kv_heads)
                 if reason is not None:
                     return f"layer {index}: {reason}"
         return None
