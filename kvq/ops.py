@@ -17,10 +17,10 @@ import torch
 from kvq.kernels import backend_for, note_fallback
 from kvq.kernels.plan import kernel_constants, packed_codes, packed_stats, per_token_stats, unsupported_reason
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
-from kvq.quant import ggml, mlx_affine
+from kvq.quant import fp8, ggml, mlx_affine, mx
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.codebooks import decode_unit_vector, encode_unit_vector
-from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout
+from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout, stat_values
 from kvq.quant.packing import pack, unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 # the engines' arithmetic per layout scheme: rotated float32 rows (n, d) -> codes and stats
-ENGINE_CODES = {"ggml": ggml.layout_codes, "mlx": mlx_affine.layout_codes}
+ENGINE_CODES = {"ggml": ggml.layout_codes, "mlx": mlx_affine.layout_codes, **fp8.LAYOUT_CODES, **mx.LAYOUT_CODES}
 
 
 def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, symmetric: bool,
@@ -59,7 +59,7 @@ def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Te
     for a codebook layout TurboQuant_mse's (Alg. 1: the norm, then the nearest level of each coordinate of the
     rotated unit vector); for an engine's scheme the engine's arithmetic (ENGINE_CODES).
     rotation: the signs (d,) of a signed rotation kind, the block of a "blocks" one, else its matrix (d, d)."""
-    if layout.codebook:
+    if layout.codebook and layout.scheme == "kvq":
         codes, norm = encode_unit_vector(rows.float(), _rotation(rotation, layout), codebook)
         return pack(codes.to(torch.int16), layout.bits), norm
     y = _rotation(rotation, layout).forward(rows.float())
@@ -78,10 +78,11 @@ def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: to
                          lam: torch.Tensor | None, layout: PackedLayout, dtype: torch.dtype,
                          codebook: torch.Tensor | None = None) -> torch.Tensor:
     """RotatedQuantizer.decode's arithmetic, in `dtype` (each token group's stats serving its every row); a
-    codebook layout's as TurboQuant_mse decodes: the levels rotated back, times the norm."""
+    codebook layout's as TurboQuant_mse decodes (the levels rotated back, times the norm), each group's levels times
+    its scale where there are several (the float formats')."""
     if layout.codebook:
         codes = unpack(codes, layout.bits, layout.head_dim, signed=False)
-        return decode_unit_vector(codes, scales, _rotation(rotation, layout), codebook).to(dtype)
+        return decode_unit_vector(codes, stat_values(scales), _rotation(rotation, layout), codebook).to(dtype)
     n = codes.shape[0]
     inner = packed_codes(codes, per_token_stats(scales, layout.token_group, n), (n, layout.head_dim), dtype,
                          layout.symmetric).inner

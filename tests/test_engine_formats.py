@@ -90,7 +90,7 @@ def test_fp4_and_fp6_elements_equal_torchao(torchao):
 @pytest.mark.parametrize("name", ["e2m1", "e2m3", "e3m2", "e4m3", "e5m2"])
 def test_mx_codes_scales_and_values_equal_torchao(torchao, name):
     x = wide_range((2, 3, 40, 64))
-    quantizer = MX(FORMATS[name])
+    quantizer = MX(FORMATS[name], 64)
     packed = quantizer.encode(x)
     assert torch.equal(packed.scales, torchao[f"mx/{name}/scales"])
     assert torch.equal(unpack(packed.codes, FORMATS[name].bits, 64, signed=False).reshape(x.shape),
@@ -104,7 +104,7 @@ def test_mx_fp4_codes_equal_ggml_mxfp4_away_from_ties():
     on data without ties its scales are the spec's, and so are its codes but for the sign of a zero (ggml writes
     a negative value that rounds to zero as +0, the spec keeps its sign)."""
     x = wide_range((3, 40, 64))[:, 2:]  # no constant or zero block: no ties
-    packed = MX(E2M1).encode(x)
+    packed = MX(E2M1, 64).encode(x)
     blocks = gguf_quants.quantize(x.numpy(), gguf_quants.GGMLQuantizationType.MXFP4).reshape(-1, 17)
     ggml_codes = torch.from_numpy(blocks[:, 1:].copy())
     ggml_codes = torch.cat([ggml_codes & 0x0F, ggml_codes >> 4], dim=-1)
@@ -112,6 +112,21 @@ def test_mx_fp4_codes_equal_ggml_mxfp4_away_from_ties():
     assert torch.equal(torch.from_numpy(blocks[:, 0].copy()), packed.scales.reshape(-1))
     negative_zero = 8
     assert torch.equal(ggml_codes.to(codes.dtype), torch.where(codes == negative_zero, 0, codes))
+
+
+@pytest.mark.parametrize("name", ["e2m1", "e2m3", "e3m2", "e4m3", "e5m2"])
+def test_mx_as_a_packed_layout_holds_its_codes_and_e8m0_scales(name):
+    """kvq.ops writes MX's packed layout with the spec's arithmetic: the same codes, the E8M0 scale bytes as the
+    layout's scales (one byte per block, as counted), decoding to what MX's decode gives."""
+    quantizer = MX(FORMATS[name], 64)
+    form = quantizer.packed_form()
+    assert form.layout.codebook and form.layout.scale_dtype == torch.uint8 and form.layout.group_size == 32
+    x = wide_range((2, 3, 40, 64), seed=1)
+    codes, stats = ops.quantize(x, form)
+    packed = quantizer.encode(x)
+    assert torch.equal(codes, packed.codes) and torch.equal(stats, packed.scales)
+    assert codes.numel() * 8 + stats.numel() * 8 == quantizer.bits_per_element(64, 40) * x.numel()
+    assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
 
 
 # --- NVFP4 ----------------------------------------------------------------------------------------------
@@ -271,20 +286,37 @@ def test_mlx_affine_as_a_packed_layout_holds_its_codes_scales_and_biases(bits):
 
 def test_fp8_scales():
     x = wide_range((1, 2, 40, 64)) / 50
-    unit = FP8(E4M3, "unit")
+    unit = FP8(E4M3, "unit", 64)
     assert torch.equal(unit.encode(x).codes, x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
-    token = FP8(E5M2, "token")
+    token = FP8(E5M2, "token", 64)
     scale = x.abs().amax(-1, keepdim=True) / 57344
     expected = torch.where(scale > 0, x / scale, 0).to(torch.float8_e5m2)
     assert torch.equal(token.encode(x).codes, expected.view(torch.uint8))
     assert token.bits_per_element(64, 40) == 8 + 32 / 64
-    head = FP8(E4M3, "head")
+    head = FP8(E4M3, "head", 64)
     head.encode(x)
     assert head.calibrated.shape == (1, 2, 1, 1)
     assert torch.equal(head.calibrated.flatten(), x.abs().amax(dim=(0, 2, 3)) / 448)
     louder = head(10 * x)  # the calibrated scale stays, so a louder input saturates at 448 x scale
     assert torch.equal(louder.abs().amax(dim=(0, 2, 3)), (448 * head.calibrated).flatten())
     assert head.bits_per_element(64, 40) == 8
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_fp8_with_token_scales_as_a_packed_layout_holds_its_codes_and_scales(name):
+    """Per-token scales make FP8 a packed layout (indices into the format's values, an fp32 scale per token) that
+    kvq.ops writes with FP8's own arithmetic; calibrated scales are a state the static cache does not carry."""
+    quantizer = FP8(FORMATS[name], "token", 64)
+    form = quantizer.packed_form()
+    x = wide_range((2, 3, 40, 64), seed=2) / 50
+    codes, stats = ops.quantize(x, form)
+    packed = quantizer.encode(x)
+    assert torch.equal(codes, packed.codes) and torch.equal(stats, packed.token_scales)
+    assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
+    assert torch.equal(form.codebook[codes.long()], FORMATS[name].decode(codes))
+    for scale in ("unit", "tensor", "head"):
+        calibrated = FP8(FORMATS[name], scale, 64)
+        assert calibrated.packed_form() is None and "scale: token" in calibrated.packing_reason()
 
 
 # --- bad input ------------------------------------------------------------------------------------------

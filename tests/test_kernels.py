@@ -31,6 +31,7 @@ from kvq.kernels.step import DecodeStep, decode_attention_reference
 from kvq.quant import QuantSpec
 from kvq.quant.codebooks import lloyd_max_gaussian
 from kvq.quant.kivi import KIVI
+from kvq.quant.layout import PackedLayout
 from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
@@ -537,6 +538,66 @@ def test_turbo_codebook_layout_through_the_ops_is_turboquants_own_arithmetic(bit
     # the largest value coordinate (the GPU test over random codebook codes bounds it tighter)
     atol = 1e-5 if device == "cpu" else 2 * torch.finfo(torch.float16).eps * own["v"].abs().max().item()
     torch.testing.assert_close(ops.decode_attention(query, step, 0.125), expected.squeeze(-2), atol=atol, rtol=0)
+
+
+def test_codebook_layouts_with_several_scale_groups_take_the_identity_rotation():
+    """A rotation mixes the groups, so a group's scale cannot follow it: R^-1 (s_g * levels) != s_g * R^-1 (levels)."""
+    assert PackedLayout(64, 4, 32, torch.uint8, codebook=True).groups == 2
+    assert PackedLayout(64, 4, 64, torch.float16, rotation="srft", codebook=True).groups == 1  # TurboQuant's
+    with pytest.raises(ValueError, match="identity rotation"):
+        PackedLayout(64, 4, 32, torch.float16, rotation="srft", codebook=True)
+    with pytest.raises(ValueError, match="codebook codes only"):
+        PackedLayout(64, 4, 32, torch.uint8)
+
+
+FLOAT_FORMATS = {"mxfp4": QuantSpec("mx"), "mxfp6-e3m2": QuantSpec("mx", options={"element": "e3m2"}),
+                 "mxfp6-e2m3": QuantSpec("mx", options={"element": "e2m3"}),
+                 "mxfp8-e4m3": QuantSpec("mx", options={"element": "e4m3"}),
+                 "fp8-e4m3-token": QuantSpec("fp8", options={"scale": "token"}),
+                 "fp8-e5m2-token": QuantSpec("fp8", options={"format": "e5m2", "scale": "token"})}
+
+
+FLOAT_FORMAT_PAIRS = [("mxfp4", "mxfp4"), ("mxfp6-e3m2", "mxfp8-e4m3"), ("mxfp6-e2m3", "mxfp4"),
+                      ("fp8-e4m3-token", "fp8-e4m3-token"), ("fp8-e5m2-token", "mxfp4")]
+SHAPES = [(1, 32, 8, 128, 4099, 16),  # Llama-3-8B's heads, a length no block size divides
+          (2, 9, 3, 64, 517, 0), (1, 14, 2, 64, 1, 1)]
+# at head_dim 256 a per-token scale beside MX's 8 blocks would pad the query rows past what one program holds
+WIDE = [(1, 4, 1, 256, 300, 15)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key_format, value_format, batch, q_heads, kv_heads, d, tokens, window", [
+    *[(*pair, *shape) for pair in FLOAT_FORMAT_PAIRS for shape in SHAPES],
+    *[(*pair, *shape) for pair in FLOAT_FORMAT_PAIRS[:4] for shape in WIDE]])
+def test_decode_attention_over_float_format_codes_equals_sdpa_over_their_decode(key_format, value_format, batch,
+                                                                                q_heads, kv_heads, d, tokens, window,
+                                                                                device):
+    """MX's and FP8's layouts: indices into the element format's values, with an E8M0 scale byte per block of 32 (MX)
+    or an fp32 scale per token (FP8), written by kvq.ops with the formats' own arithmetic. Decode attention over them
+    (on CUDA the Triton partial, which looks each code's value up and reads the E8M0 bytes as powers of two) equals
+    SDPA over the quantizers' own decode and the exact window."""
+    generator = torch.Generator().manual_seed(tokens)
+    packed, own = {}, {}
+    for role, name in (("k", key_format), ("v", value_format)):
+        quantizer = QuantizerBank(FLOAT_FORMATS[name], KVGeometry(1, kv_heads, d)).get(0, role)
+        form = quantizer.packed_form()
+        x = (torch.randn(batch, kv_heads, tokens, d, generator=generator) * 3).to(device)
+        codes, stats = ops.quantize(x, form)
+        own[role] = quantizer.decode(quantizer.encode(x))
+        packed[role] = ops.PackedKV(codes, stats, form.layout.bits, d, codebook=form.on(x.device).codebook)
+    window_rows = (torch.randn(2, batch, kv_heads, window, d, generator=generator)).to(device)
+    identity = torch.eye(d, device=device)
+    step = DecodeStep(packed["k"], packed["v"], (window_rows[0], window_rows[1]), identity, identity)
+    query = torch.randn(batch, q_heads, d, generator=generator).to(device)
+    keys, values = (torch.cat([own[role], window_rows[i]], dim=-2) for i, role in enumerate("kv"))
+    expected = F.scaled_dot_product_attention(query.unsqueeze(-2), keys, values, scale=d ** -0.5,
+                                              enable_gqa=True).squeeze(-2)
+    if device == "cuda":
+        assert step_unsupported_reason(query, step) is None  # the kernels, not the reference
+    got = ops.decode_attention(query, step, d ** -0.5)
+    # on CUDA the products run in fp16: within a few fp16 steps of the largest value coordinate
+    atol = 1e-5 if device == "cpu" else 4 * torch.finfo(torch.float16).eps * values.abs().max().item()
+    torch.testing.assert_close(got, expected, atol=atol, rtol=0)
 
 
 @requires_cuda

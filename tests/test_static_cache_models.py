@@ -31,6 +31,7 @@ LAYOUTS = {  # (base spec, per-site policy, window): KIVI's window holds a whole
     "turbo3": (QuantSpec("turbo", 3), None, 8),
     "turbo4": (QuantSpec("turbo", 4), None, 8),
     "ggml-q4_0": (QuantSpec("ggml", options={"type": "q4_0"}), None, 8),  # with llama.cpp's Hadamard rotation
+    "mxfp4": (QuantSpec("mx"), None, 8),
 }
 
 

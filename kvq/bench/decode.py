@@ -67,16 +67,16 @@ ASYMMETRIC = {role: {"symmetric": False, "scale_dtype": "float16"} for role in (
 
 
 def _kvq_static(policy: dict | None = None, quantizer: tuple = ("srft", 4, "per_group", 32),
-                window: int = 16) -> Callable[..., dict]:
-    """kvq's static cache with a window of `window` exact tokens, of QuantSpec(*quantizer) (SRFT int4 in groups of
-    32), its sites following `policy`."""
+                window: int = 16, options: dict | None = None) -> Callable[..., dict]:
+    """kvq's static cache with a window of `window` exact tokens, of QuantSpec(*quantizer, options=options) (SRFT int4
+    in groups of 32), its sites following `policy`."""
     def setup(model, batch: int, max_tokens: int) -> dict:
         from kvq.policy import parse_policy
         from kvq.quant import QuantSpec
 
         _compiled_on_cuda(model)
-        return {"past_key_values": static_cache(model, QuantSpec(*quantizer), batch, max_tokens, window,
-                                                policy=parse_policy(policy))}
+        spec = QuantSpec(*quantizer, options=options or {})
+        return {"past_key_values": static_cache(model, spec, batch, max_tokens, window, policy=parse_policy(policy))}
 
     return setup
 
@@ -134,6 +134,11 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
                 _kvq_static(quantizer=("turbo", 4)), loop="step"),
     DecodeCache("kvq-turbo3-static-step", "kvq TurboQuant_mse-3, static, compiled step loop", "turbo3",
                 _kvq_static(quantizer=("turbo", 3)), loop="step"),
+    # Formats engines ship: the OCP MX spec's fp4 (an E8M0 scale per 32) and vLLM's fp8 e4m3 with per-token scales
+    DecodeCache("kvq-mxfp4-static-step", "kvq MXFP4 (e2m1, E8M0 per 32), static, compiled step loop", "mxfp4",
+                _kvq_static(quantizer=("mx",)), loop="step"),
+    DecodeCache("kvq-fp8-static-step", "kvq FP8 e4m3, fp32 scale per token, static, compiled step loop", "fp8",
+                _kvq_static(quantizer=("fp8",), options={"scale": "token"}), loop="step"),
     # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
     # static cache's mask, see kvq.gqa_attention).
     DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",

@@ -13,11 +13,16 @@ from kvq.gqa_attention import GQA_SDPA_ATTENTION
 from kvq.policy import parse_policy
 from kvq.quant import QuantSpec
 
-MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows: (spec, per-site policy)
-    "fp16": (None, None),
-    "kvq-int4": (QuantSpec("srft", 4, "per_group", 32), None),
-    "kvq-int4-fp-boundary": (QuantSpec("srft", 4, "per_group", 32), FP_BOUNDARY),
-    "kvq-k8v4": (QuantSpec("srft", 4, "per_group", 32), K8_V4),
+MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows: (spec, per-site policy, exact window)
+    "fp16": (None, None, 16),
+    "kvq-int4": (QuantSpec("srft", 4, "per_group", 32), None, 16),
+    "kvq-int4-fp-boundary": (QuantSpec("srft", 4, "per_group", 32), FP_BOUNDARY, 16),
+    "kvq-k8v4": (QuantSpec("srft", 4, "per_group", 32), K8_V4, 16),
+    "kvq-kivi4": (QuantSpec("kivi", 4, group_size=32), None, 32),  # the window holds a whole key group
+    "kvq-kivi2": (QuantSpec("kivi", 2, group_size=32), None, 32),
+    "kvq-turbo4": (QuantSpec("turbo", 4), None, 16),
+    "kvq-mxfp4": (QuantSpec("mx"), None, 16),
+    "kvq-fp8": (QuantSpec("fp8", options={"scale": "token"}), None, 16),
 }
 DECODE_STEPS = 8
 CONTEXT_STEP = 8192  # the longest context is searched in whole multiples of this
@@ -29,8 +34,8 @@ def fits(model, cache_kind: tuple, batch: int, context: int, chunk: int) -> int 
     out of device memory."""
     cache = None
     try:
-        spec, policy = cache_kind
-        cache = static_cache(model, spec, batch, context, policy=parse_policy(policy))
+        spec, policy, window = cache_kind
+        cache = static_cache(model, spec, batch, context, window, policy=parse_policy(policy))
         prompt = torch.randint(0, model.config.vocab_size, (batch, min(chunk, context - DECODE_STEPS)),
                                device=model.device)
         with torch.no_grad(), decode_routing(model, cache, None if spec is not None else GQA_SDPA_ATTENTION):

@@ -9,9 +9,10 @@ query's rows are laid out once per scale group, so each group's share of q . k m
 float32 after the tensor-core product, and the probabilities carry the V scales into the second product.
 An asymmetric layout's unsigned codes decode as c * s + z: its offsets add z times the group's query sum to a
 key's score, and the probabilities' sum against z to the values (the Triton partial only). Codebook codes
-(TurboQuant_mse's) become their levels in registers (a lookup in the small float32 table) and their per-token norm
-serves as the scale; the query, mapped by R^T, and the output, mapped back by R, make the attention run in the rotated
-domain, as the paper's decode does.
+(TurboQuant_mse's, and the float formats': FP8's and MX's element values) become their levels in registers (a lookup
+in the small float32 table) and their scales (TurboQuant's per-token norm, FP8's per-token scale, MX's E8M0 byte per
+block read as a power of two) serve as the groups' scales; for TurboQuant the query, mapped by R^T, and the
+output, mapped back by R, make the attention run in the rotated domain, as the paper's decode does.
 
 Packed codes live in the quantizers' rotated, lambda-scaled domains (y = lam * R x). With
 query_map = R_k^T diag(1/lam_k) and output_map = diag(1/lam_v) R_v: q . k = (q query_map) . y_k and

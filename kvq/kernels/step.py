@@ -11,9 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from kvq.kernels.plan import packed_codes, per_token_stats
+from kvq.quant.codebooks import decode_unit_vector
+from kvq.quant.layout import stat_values
 from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarQuantizer
+from kvq.rotations import Identity
 
 
 @dataclass
@@ -21,7 +24,7 @@ class PackedKV:
     """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role; unsigned
     codes with offsets after the scales (B, H, T, 2 groups) where not `symmetric`; one stats row per
     `token_group` tokens (B, H, T / token_group, .) where the stats span tokens; unsigned indices into `codebook`
-    with one scale per token where it is set (kvq.quant.layout)."""
+    where it is set, with fp32, fp16 or E8M0 scales (kvq.quant.layout)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -56,10 +59,10 @@ class PackedKV:
 
     def dequantized(self) -> torch.Tensor:
         """float32 codes x scales (+ offsets) in the quantizer's rotated domain (the reference ScalarQuantizer
-        decode; per-token scales are the one-group case), or the codebook's levels times each token's scale."""
+        decode; per-token scales are the one-group case), or the codebook's levels times their group's scale."""
         if self.codebook is not None:
-            levels = self.codebook[unpack(self.codes, self.bits, self.head_dim, signed=False).long()]
-            return levels * self.scales.float()
+            codes = unpack(self.codes, self.bits, self.head_dim, signed=False)
+            return decode_unit_vector(codes, stat_values(self.scales), Identity(self.head_dim), self.codebook)
         return ScalarQuantizer(self.bits, "per_group", self.group, self.symmetric).decode(
             self.as_packed(torch.float32).inner)
 

@@ -2,9 +2,9 @@
 launcher that skips Triton's per-call argument binding.
 
 partial_kernel covers every shape csrc/decode_attention.cu does not: codes of 2-8 bits, codebook indices
-(TurboQuant_mse's), head sizes other than 128, more query heads per KV head, GPUs before sm_80. map_query_kernel
-maps the query into the codes' domain before it; reduce_kernel combines the partials where the CUDA reduce does not
-serve (head_dim other than 128).
+(TurboQuant_mse's levels, FP8's and MX's element values), head sizes other than 128, more query heads per KV head,
+GPUs before sm_80. map_query_kernel maps the query into the codes' domain before it; reduce_kernel combines the
+partials where the CUDA reduce does not serve (head_dim other than 128).
 """
 
 import torch
@@ -124,10 +124,13 @@ def _nibbles(byte, CONVERSION: tl.constexpr, PINNED: tl.constexpr):
 
 @triton.jit
 def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.constexpr):
-    """(GROUPS, BLOCK) float32 scales of a tile (stored as float32 or fp16, STATS per token): one row per
-    scale group. At scales_ptr + GROUPS: the offsets of an asymmetric layout."""
+    """(GROUPS, BLOCK) float32 scales of a tile (stored as float32, fp16 or E8M0 bytes, STATS per token): one row
+    per scale group. At scales_ptr + GROUPS: the offsets of an asymmetric layout. An E8M0 byte b is 2^(b - 127),
+    float32's exponent field."""
     groups = tl.arange(0, GROUPS)
-    scales = tl.load(scales_ptr + tokens[None, :] * STATS + groups[:, None], mask=valid[None, :], other=0.0)
+    scales = tl.load(scales_ptr + tokens[None, :] * STATS + groups[:, None], mask=valid[None, :], other=0)
+    if scales_ptr.dtype.element_ty == tl.uint8:
+        return (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     return scales.to(tl.float32)
 
 @triton.jit
@@ -270,7 +273,8 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS,
     V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK): K and V codes of their own widths (2-8 bits), signed, or
     unsigned with offsets after the scales where K_OFFSETS / V_OFFSETS (an asymmetric layout), or indices into a
-    codebook with one scale (the norm) per token where K_CODEBOOK / V_CODEBOOK; where K_TOKEN_GROUP > 0, keys with
+    codebook with a scale per group (TurboQuant's norm, MX's E8M0 bytes) where K_CODEBOOK / V_CODEBOOK; where
+    K_TOKEN_GROUP > 0, keys with
     stats per channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one stats row per token group, which
     each tile folds into the query (_channel_scaled_query).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,

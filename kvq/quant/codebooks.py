@@ -71,5 +71,7 @@ def encode_unit_vector(x: torch.Tensor, rotation: "Rotation",
 
 def decode_unit_vector(codes: torch.Tensor, norm: torch.Tensor, rotation: "Rotation",
                        levels: torch.Tensor) -> torch.Tensor:
-    """encode_unit_vector's inverse in float32: the levels rotated back, times the norm."""
-    return rotation.inverse(levels[codes.long()]) * norm.float()
+    """encode_unit_vector's inverse in float32: the levels rotated back, times the norm; norm (..., groups) scales
+    each of `groups` equal runs of coordinates by its own entry (one group: the vector's norm)."""
+    rotated = rotation.inverse(levels[codes.long()])
+    return (rotated.unflatten(-1, (norm.shape[-1], -1)) * norm.float().unsqueeze(-1)).flatten(-2)

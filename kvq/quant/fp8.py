@@ -12,15 +12,22 @@ is not counted in the bits; a per-token scale is stored and counted (8 + 32/d bi
 first K/V a site sees: in hook-mode perplexity that call covers the whole scored sequence, so `tensor` and
 `head` are calibrated on the text they score (the most favourable calibration there is); in cache mode it is
 the prompt's prefill.
+
+With per-token scales the codes are a kvq packed layout (`packed_form`, scheme "fp8_e4m3" / "fp8_e5m2"): indices
+into the format's 256 values with the fp32 scale per token, so the static cache holds them and the decode kernels read
+them. A calibrated scale is a state the first encode sets, which the static cache's writes do not carry: those
+scales run through the reference cache.
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
 
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.config import QuantizerConfig, register_quantizer
+from kvq.quant.layout import FP8_SCHEMES, PackedForm, PackedLayout
 from kvq.quant.minifloat import FORMATS, MiniFloat
 from kvq.quant.spec import Site
 
@@ -35,17 +42,29 @@ class FP8Packed(Packed):
     dtype: torch.dtype
 
 
+def scaled_codes(x: torch.Tensor, scale: torch.Tensor, element: MiniFloat) -> torch.Tensor:
+    """float8 codes of float32 x / scale (zeros where the scale is)."""
+    return element.encode(torch.where(scale > 0, x / scale, torch.zeros_like(x)))
+
+
+def token_scales(x: torch.Tensor, element: MiniFloat) -> torch.Tensor:
+    """vLLM's dynamic per-token scale of float32 rows: max|x| / the format's largest value."""
+    return x.abs().amax(-1, keepdim=True) / element.max_value
+
+
 class FP8(Quantizer):
-    def __init__(self, element: MiniFloat, scale: str):
+    def __init__(self, element: MiniFloat, scale: str, d: int):
         self.element = element
         self.scale = scale
+        self.d = d
         self.calibrated: torch.Tensor | None = None
+        self._form: PackedForm | None = None
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale == "unit":
             return torch.ones((), device=x.device)
         if self.scale == "token":
-            return x.abs().amax(-1, keepdim=True) / self.element.max_value
+            return token_scales(x, self.element)
         if self.calibrated is None:
             if self.scale == "head":
                 dims = tuple(i for i in range(x.dim()) if i != x.dim() + HEAD_DIM)
@@ -58,8 +77,7 @@ class FP8(Quantizer):
     def encode(self, x: torch.Tensor) -> FP8Packed:
         xf = x.float()
         scale = self._scale(xf)
-        scaled = torch.where(scale > 0, xf / scale, torch.zeros_like(xf))
-        return FP8Packed(self.element.encode(scaled), scale if self.scale == "token" else None, x.dtype)
+        return FP8Packed(scaled_codes(xf, scale, self.element), scale if self.scale == "token" else None, x.dtype)
 
     def decode(self, packed: FP8Packed) -> torch.Tensor:
         if packed.token_scales is not None:
@@ -72,7 +90,29 @@ class FP8(Quantizer):
         return self.element.bits + (SCALE_BITS / d if self.scale == "token" else 0.0)
 
     def packing_reason(self) -> str | None:
-        return "fp8 codes run through the reference cache; the fused cache holds integer codes only"
+        if self.scale != "token":
+            return (f"fp8 with a {self.scale} scale runs through the reference cache: the static cache holds fp8 "
+                    "codes with a scale per token (scale: token)")
+        return None
+
+    def packed_form(self) -> PackedForm | None:
+        """The format's values indexed by code, one fp32 scale per token."""
+        if self.packing_reason() is not None:
+            return None
+        if self._form is None:
+            layout = PackedLayout(self.d, self.element.bits, self.d, torch.float32, codebook=True,
+                                  scheme=f"fp8_{self.element.name}")
+            self._form = PackedForm(layout, torch.ones(self.d), torch.eye(self.d), codebook=self.element.levels())
+        return self._form
+
+
+def _layout_codes(element: MiniFloat, y: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 rows (n, d) -> codes (n, d) and fp32 scales (n, 1): FP8.encode's arithmetic under per-token scales."""
+    scale = token_scales(y, element)
+    return scaled_codes(y, scale, element), scale
+
+
+LAYOUT_CODES = {scheme: partial(_layout_codes, FORMATS[scheme.removeprefix("fp8_")]) for scheme in FP8_SCHEMES}
 
 
 @register_quantizer("fp8")
@@ -85,4 +125,4 @@ class FP8Config(QuantizerConfig):
     seeded = False
 
     def build(self, site: Site, seed: int) -> Quantizer:
-        return FP8(FORMATS[self.format], self.scale)
+        return FP8(FORMATS[self.format], self.scale, site.d)

@@ -2,23 +2,31 @@
 
 A quantizer that stores rows as scalar codes per token or per token-group, symmetric or with offsets (zero
 points), after a rotation and a per-channel lambda (y = lam * (R x), SRFT paper Sec. 5.1), or as KIVI's keys
-(per channel over groups of tokens), or as indices into a codebook with a scale per token (TurboQuant_mse's
-Lloyd-Max levels and norm) declares a PackedForm; kvq.ops and the caches read only that, never the
-quantizer's attributes. Quantizers that store anything else declare none.
+(per channel over groups of tokens), or as indices into a table of levels with a scale per token or per group
+(TurboQuant_mse's Lloyd-Max levels and norm; a float format's values, FP8's and MX's, with their scales) declares a
+PackedForm; kvq.ops and the caches read only that, never the quantizer's attributes. Quantizers that store anything
+else declare none.
 """
 
 from dataclasses import dataclass, field
 
 import torch
 
+from kvq.quant.minifloat import e8m0_value
+
 # Rotations named by kind: the kernels apply these from their sign vector alone. "blocks" is a symmetric block
 # applied along head_dim block by block (llama.cpp's Hadamard, kvq.rotations.BlockDiagonal), "matrix" any other
 # orthogonal map (learned, composed); only the reference applies those, from the block or the matrix.
 SIGNED_ROTATIONS = ("identity", "srht", "srft")
 # Who writes a layout's codes: kvq's scalar arithmetic (kvq.quant.scalar: abs-max or min-max scales, round half to
-# even), llama.cpp's block arithmetic (kvq.quant.ggml) or MLX's affine one (kvq.quant.mlx_affine), each with its own
-# scales and rounding; only the reference runs the engines'.
-SCHEMES = ("kvq", "ggml", "mlx")
+# even), llama.cpp's block arithmetic (kvq.quant.ggml), MLX's affine one (kvq.quant.mlx_affine), vLLM's FP8 with a
+# scale per token (kvq.quant.fp8) or the OCP MX spec's (kvq.quant.mx), each with its own scales and rounding; only
+# the reference runs the engines'. A float format's scheme names its element format too.
+FP8_SCHEMES = ("fp8_e4m3", "fp8_e5m2")
+MX_SCHEMES = ("mx_e2m1", "mx_e2m3", "mx_e3m2", "mx_e4m3", "mx_e5m2")
+SCHEMES = ("kvq", "ggml", "mlx", *FP8_SCHEMES, *MX_SCHEMES)
+# Stats held as uint8 are E8M0 scales (the MX spec's powers of two), a codebook layout's only
+E8M0 = torch.uint8
 
 
 @dataclass(frozen=True)
@@ -29,8 +37,9 @@ class PackedLayout:
     token_group > 1, per token_group consecutive tokens (KIVI's keys: group_size 1, one scale per channel). A
     symmetric layout holds signed codes c and decodes c * scale; an asymmetric one holds unsigned codes c and,
     after its scales, as many offsets of the same dtype, and decodes c * scale + offset: a stats row holds both.
-    A `codebook` layout holds unsigned codes indexing its form's codebook and one scale per token (group_size ==
-    head_dim), and decodes R^-1(codebook[c]) * scale (TurboQuant_mse: the unit vector's levels, then its norm).
+    A `codebook` layout holds unsigned codes indexing its form's codebook and a scale per group of coordinates, and
+    decodes R^-1(codebook[c]) * scale: TurboQuant_mse's unit vector's levels, then its norm (one group); a float
+    format's values, then its scale per token (FP8) or per block (MX, scales in E8M0).
     `scheme` names the arithmetic that writes the codes (SCHEMES); reading them does not depend on it.
     """
 
@@ -49,8 +58,13 @@ class PackedLayout:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
         if self.token_group > 1 and self.group_size != 1:
             raise ValueError("stats spanning tokens are per channel: token_group > 1 takes group_size 1")
-        if self.codebook and (self.group_size != self.head_dim or not self.symmetric or self.token_group > 1):
-            raise ValueError("codebook codes take one scale per token and no offsets")
+        if self.codebook and (not self.symmetric or self.token_group > 1):
+            raise ValueError("codebook codes take scales per token and no offsets")
+        if self.codebook and self.group_size != self.head_dim and self.rotation != "identity":
+            # R^-1 (s_g * levels) is not s_g * R^-1 (levels) once a rotation mixes the groups
+            raise ValueError("codebook codes with several scale groups take the identity rotation")
+        if self.scale_dtype == E8M0 and not self.codebook:
+            raise ValueError("E8M0 scales serve codebook codes only")
 
     @property
     def code_bytes(self) -> int:
@@ -64,6 +78,11 @@ class PackedLayout:
     def stats(self) -> int:
         """Scales, then offsets where the layout is asymmetric, per stats row."""
         return self.groups if self.symmetric else 2 * self.groups
+
+
+def stat_values(stats: torch.Tensor) -> torch.Tensor:
+    """float32 values of stats as a layout stores them: E8M0 exponents as their powers of two, floats as they are."""
+    return e8m0_value(stats) if stats.dtype == E8M0 else stats.float()
 
 
 @dataclass(frozen=True, eq=False)

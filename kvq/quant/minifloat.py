@@ -6,6 +6,7 @@ k < 2^M, and the normals (1 + m / 2^M) * 2^(e-b); the largest finite value is `m
 all-ones code is NaN, so the top binade stops one step short). Rounding is to the nearest grid point with
 ties to even, and values beyond `max_value` saturate to it: the behaviour of torch's float8 casts after
 clamping (as torchao and vLLM clamp), of the OCP MX spec's conversions (Sec. 6.3) and of NVIDIA's NVFP4.
+E8M0 (the MX scales) holds the powers of two 2^(b - 127) as their biased exponent b.
 """
 
 from dataclasses import dataclass
@@ -69,6 +70,20 @@ class MiniFloat:
             negative = ((code >> (self.exponent_bits + self.mantissa_bits)) & 1).bool()
             value = torch.where(negative, -value, value)
         return value
+
+    def levels(self) -> torch.Tensor:
+        """float32 value of every code, indexed by code: the table a packed layout's codes index."""
+        return self.decode(torch.arange(1 << self.bits))
+
+
+E8M0_BIAS = 127
+F32_MANTISSA_BITS = 23
+
+
+def e8m0_value(biased: torch.Tensor) -> torch.Tensor:
+    """float32 2^(b - 127) of biased E8M0 exponents b (uint8), placed in float32's exponent field; b = 0 reads as 0
+    (torchao's decode of a block of zeros)."""
+    return (biased.to(torch.int32) << F32_MANTISSA_BITS).view(torch.float32)
 
 
 E2M1 = MiniFloat("e2m1", 2, 1, 1, 6.0)

@@ -8,9 +8,14 @@ width plus 8/32.
 Method card. Follows the spec's conversion as torchao 0.18 implements it (`to_mx`, ScaleCalculationMode.FLOOR;
 a block of zeros gets scale 2^-127, decoded as zeros); codes and scales equal torchao's. Engines that ship
 MXFP4 weights (gpt-oss, ggml's MXFP4 type) round ties differently; this is the spec's rounding.
+
+The codes are a kvq packed layout (`packed_form`, scheme "mx_<element>"): indices into the element format's values,
+with the E8M0 scale byte per block as the layout's scale, so the static cache holds exactly what is counted and the
+decode kernels read the codes.
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -18,13 +23,12 @@ import torch
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.blocks import merge_blocks, require_blocks, split_blocks
 from kvq.quant.config import QuantizerConfig, register_quantizer
-from kvq.quant.minifloat import FORMATS, MiniFloat
+from kvq.quant.layout import E8M0, MX_SCHEMES, PackedForm, PackedLayout
+from kvq.quant.minifloat import E8M0_BIAS, F32_MANTISSA_BITS, FORMATS, MiniFloat, e8m0_value
 from kvq.quant.packing import pack, unpack
 from kvq.quant.spec import Site
 
 BLOCK = 32
-E8M0_BIAS = 127
-F32_MANTISSA_BITS = 23
 F32_MIN_NORMAL = torch.finfo(torch.float32).tiny
 
 
@@ -41,19 +45,22 @@ def e8m0_scale(amax: torch.Tensor, element: MiniFloat) -> torch.Tensor:
     return (unbiased.clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS).to(torch.uint8)
 
 
-def e8m0_value(biased: torch.Tensor) -> torch.Tensor:
-    return (biased.to(torch.int32) << F32_MANTISSA_BITS).view(torch.float32)
+def block_codes(x: torch.Tensor, element: MiniFloat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., d) -> packed element codes (..., d * bits / 8) and E8M0 scales (..., d / 32): the spec's conversion."""
+    blocks = split_blocks(x, BLOCK, f"mx {element.name}")
+    scales = e8m0_scale(blocks.abs().amax(-1, keepdim=True), element)
+    codes = element.encode(blocks / e8m0_value(scales).clamp(min=F32_MIN_NORMAL))
+    return pack(merge_blocks(codes), element.bits), scales.squeeze(-1)
 
 
 class MX(Quantizer):
-    def __init__(self, element: MiniFloat):
+    def __init__(self, element: MiniFloat, d: int):
         self.element = element
+        self.d = d
+        self._form: PackedForm | None = None
 
     def encode(self, x: torch.Tensor) -> MXPacked:
-        blocks = split_blocks(x, BLOCK, f"mx {self.element.name}")
-        scales = e8m0_scale(blocks.abs().amax(-1, keepdim=True), self.element)
-        codes = self.element.encode(blocks / e8m0_value(scales).clamp(min=F32_MIN_NORMAL))
-        return MXPacked(pack(merge_blocks(codes), self.element.bits), scales.squeeze(-1), x.dtype)
+        return MXPacked(*block_codes(x, self.element), x.dtype)
 
     def decode(self, packed: MXPacked) -> torch.Tensor:
         n_blocks = packed.scales.shape[-1]
@@ -65,8 +72,23 @@ class MX(Quantizer):
     def bits_per_element(self, d: int, n_tokens: int) -> float:
         return self.element.bits + 8 / BLOCK
 
-    def packing_reason(self) -> str | None:
-        return "MX codes run through the reference cache; the fused cache holds integer codes only"
+    def packing_reason(self) -> None:
+        return None
+
+    def packed_form(self) -> PackedForm:
+        """The element format's values indexed by code, an E8M0 scale per block of 32."""
+        if self._form is None:
+            layout = PackedLayout(self.d, self.element.bits, BLOCK, E8M0, codebook=True,
+                                  scheme=f"mx_{self.element.name}")
+            self._form = PackedForm(layout, torch.ones(self.d), torch.eye(self.d), codebook=self.element.levels())
+        return self._form
+
+
+def _layout_codes(element: MiniFloat, y: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    return block_codes(y, element)
+
+
+LAYOUT_CODES = {scheme: partial(_layout_codes, FORMATS[scheme.removeprefix("mx_")]) for scheme in MX_SCHEMES}
 
 
 @register_quantizer("mx")
@@ -79,4 +101,4 @@ class MXConfig(QuantizerConfig):
 
     def build(self, site: Site, seed: int) -> Quantizer:
         require_blocks(site.d, BLOCK, f"mx {self.element}")
-        return MX(FORMATS[self.element])
+        return MX(FORMATS[self.element], site.d)

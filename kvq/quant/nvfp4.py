@@ -58,7 +58,8 @@ class NVFP4(Quantizer):
         return E2M1.bits + E4M3.bits / BLOCK
 
     def packing_reason(self) -> str | None:
-        return "NVFP4 codes run through the reference cache; the fused cache holds integer codes only"
+        return ("NVFP4 codes run through the reference cache: their layer scale is a state the first encode sets, "
+                "which the static cache's writes do not carry")
 
 
 @register_quantizer("nvfp4")
