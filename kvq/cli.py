@@ -137,7 +137,7 @@ def sweep(
         "partition": partition, "time": time_limit, "cells_per_job": cells_per_job, "cluster": cluster})
     device = executors.sweep_device(settings, device)
     if status:
-        typer.echo(status_report(sweep_status(spec, runs_dir, device), sweep_dir(runs_dir, spec)))
+        typer.echo(status_report(sweep_status(spec, runs_dir, device, settings.threads), sweep_dir(runs_dir, spec)))
         return
     try:
         outcome = executors.run(spec, settings, runs_dir, force, device,

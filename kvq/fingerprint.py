@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from kvq.provenance import PACKAGE_DIR, device_name, versions
 
 # Modules that cannot change a cell's number: they parse specs, print, plot, lock, store or judge records, time
@@ -238,16 +240,20 @@ def device_kind(device: str) -> str:
     return device.split(":", 1)[0]
 
 
-def measuring_context(device: str, quantizers: Iterable[str] = (),
-                      metrics: Iterable[str] = ()) -> dict[str, str | None]:
+def measuring_context(device: str, quantizers: Iterable[str] = (), metrics: Iterable[str] = (),
+                      threads: int | None = None) -> dict[str, str | int | None]:
     """What a number measured now with these quantizers (none: fp) of these metrics beyond perplexity depends on
     besides its config and data. The device is named as provenance names it (the card; the CPU's model and the
     instruction set its kernels take): another CPU rounds sums apart, so its cells are stale here and its fp
-    baselines are not the ones this CPU's cells are paired with."""
+    baselines are not the ones this CPU's cells are paired with. On a CPU so does another count of intra-op threads
+    (`threads`, default this process's), which splits each sum another way."""
     installed = versions()
     accelerator = device_kind(device) != "cpu"
-    return {"code": code_version(frozenset(quantizers), frozenset(metrics), accelerator), "torch": installed["torch"],
-            "transformers": installed["transformers"], "device": device_name(device)}
+    context = {"code": code_version(frozenset(quantizers), frozenset(metrics), accelerator),
+               "torch": installed["torch"], "transformers": installed["transformers"], "device": device_name(device)}
+    if not accelerator:
+        context["threads"] = threads or torch.get_num_threads()
+    return context
 
 
 def corpus_digest(corpus: str) -> str:

@@ -34,10 +34,12 @@ class Baseline:
 
 @dataclass
 class RecordBook:
-    """The records of one sweep folder, judged against one device's current measuring context."""
+    """The records of one sweep folder, judged against one device's current measuring context: on a CPU with
+    `threads` intra-op threads, those its cells are measured with (None: this process's count when asked)."""
 
     directory: Path
     device: str
+    threads: int | None = None
     _corpora: dict[str, str] = field(default_factory=dict)
 
     def cell_path(self, cell: Cell) -> Path:
@@ -47,7 +49,7 @@ class RecordBook:
         return self.directory / CLAIMS / f"{name}.lock"
 
     def context(self, cell: Cell) -> dict:
-        context = measuring_context(self.device, quantizers_of(cell.config()), metrics_of(cell))
+        context = measuring_context(self.device, quantizers_of(cell.config()), metrics_of(cell), self.threads)
         if cell.quant.calibration:
             context["calibration"] = file_digest(cell.quant.calibration)
         for option, value in sorted(cell.quant.options.items()):  # an artifact the quantizer reads (nuq signposts)
@@ -61,7 +63,7 @@ class RecordBook:
         return self._corpora[corpus]
 
     def _baseline(self, prefix: str, key: dict, metrics: tuple[str, ...] = ()) -> Baseline:
-        key = {**key, **measuring_context(self.device, (), metrics)}
+        key = {**key, **measuring_context(self.device, (), metrics, self.threads)}
         return Baseline(key, self.directory / "baselines" / f"{prefix}{record_digest(key)}.json")
 
     def baselines(self, cell: Cell) -> dict[str, Baseline]:

@@ -221,11 +221,12 @@ class CellState:
     cell: Cell | None  # None for a record on disk that the spec no longer expands to
 
 
-def sweep_status(spec: SweepSpec, runs_dir: Path, device: str = "cpu") -> list[CellState]:
-    """Every cell of the spec as current / todo / stale (with why), then every other cell record in
-    the sweep folder (stale: not in the spec, so never in its findings). Loads no model."""
+def sweep_status(spec: SweepSpec, runs_dir: Path, device: str = "cpu", threads: int | None = None) -> list[CellState]:
+    """Every cell of the spec as current / todo / stale (with why), judged as cells measured on `device` with
+    `threads` intra-op threads (None: this process's) would be, then every other cell record in the sweep folder
+    (stale: not in the spec, so never in its findings). Loads no model."""
     cells = expand(spec)
-    book = RecordBook(sweep_dir(runs_dir, spec), device)
+    book = RecordBook(sweep_dir(runs_dir, spec), device, threads)
     states = []
     for cell in cells:
         why = book.staleness(cell)

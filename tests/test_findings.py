@@ -141,8 +141,8 @@ def test_cells_from_other_code_are_stale_and_measured_again(tmp_path, monkeypatc
 
     real = records.measuring_context
     monkeypatch.setattr(records, "measuring_context",
-                        lambda device, quantizers=(), metrics=(): {**real(device, quantizers, metrics),
-                                                                   "code": "edited-code"})
+                        lambda device, quantizers=(), metrics=(), threads=None: {
+                            **real(device, quantizers, metrics, threads), "code": "edited-code"})
     (state,) = sweep.sweep_status(spec, tmp_path / "runs")
     assert state.state == "stale" and state.detail == "stale: measured with another code"
     again = sweep.run_sweep(spec, tmp_path / "runs")

@@ -28,6 +28,7 @@ class SweepIncomplete(RuntimeError):
 class Backend(Protocol):
     retries: int
     cells_per_batch: int
+    threads: int  # intra-op threads each worker measures with
 
     def submit(self, batches: list[Batch]) -> list[Any]: ...
     def wait(self, handles: list[Any]) -> list[Any]: ...  # some that finished, at least one
@@ -119,8 +120,8 @@ class _Schedule:
             differs = sorted(k for k, v in self.book.context(cell).items() if measured_with.get(k) != v)
             if differs:
                 raise KvqError(f"a worker measured cell {cell.id} with another {', '.join(differs)} than this "
-                               "driver's; the driver and every worker need the same kvq code, torch and "
-                               "transformers")
+                               "driver's; the driver and every worker need the same kvq code, torch, "
+                               "transformers and device, and on a CPU the threads the workers were given")
         for path in group.baselines:
             if read_json(self.book.directory / path) != result.baselines[path]:  # new, or measured again
                 write_json_atomic(self.book.directory / path, result.baselines[path])
@@ -155,7 +156,7 @@ def distribute(spec: SweepSpec, backend: Backend, runs_dir, force: bool, device:
     cells = expand(spec)
     directory = sweep_dir(runs_dir, spec)
     removed = remove_dead_temporaries(directory) if directory.is_dir() else []
-    book = RecordBook(directory, device)
+    book = RecordBook(directory, device, backend.threads)
     todo, current = pending(spec, book, force)
     ran: list[str] = []
     with ExitStack() as claims:

@@ -50,7 +50,7 @@ class RayBackend:
             raise
         self.task = self.ray.remote(measure_batch).options(num_cpus=settings.cpus, num_gpus=settings.gpus,
                                                            max_retries=0)
-        self.spec, self.device, self.threads = self.ray.put(spec), device, max(1, int(settings.cpus))
+        self.spec, self.device, self.threads = self.ray.put(spec), device, settings.threads
 
     def _check_resources(self, settings: ExecutorSettings) -> None:
         available = self.ray.cluster_resources()

@@ -43,6 +43,12 @@ class ExecutorSettings:
     def distributed(self) -> bool:
         return self.name != "local"
 
+    @property
+    def threads(self) -> int | None:
+        """Intra-op threads a cell is measured with: a worker's whole CPUs (Ray and SLURM pin them), or None for
+        this process's own count (local)."""
+        return max(1, int(self.cpus)) if self.distributed else None
+
 
 _KINDS = {"name": str, "gpus": float, "cpus": float, "retries": int, "address": str, "partition": str,
           "time": int, "cells_per_job": int, "cluster": str}

@@ -25,7 +25,7 @@ class SlurmBackend:
             raise KvqError("executor slurm: sbatch is not on PATH here; run the sweep from a SLURM login node, or "
                            "set cluster: local to run its jobs as processes on this machine")
         self.retries, self.cells_per_batch = settings.retries, settings.cells_per_job
-        self.spec, self.device, self.threads = spec, device, max(1, int(settings.cpus))
+        self.spec, self.device, self.threads = spec, device, settings.threads
         self.executor = submitit.AutoExecutor(folder=folder, cluster=settings.cluster)
         parameters = {"timeout_min": settings.time, "cpus_per_task": int(settings.cpus),
                       "gpus_per_node": int(settings.gpus), "name": f"kvq-{spec.name}"}
