@@ -9,6 +9,7 @@ milliseconds per replay are per step. One layer's cache serves all 32 calls, so 
 layouts.
 """
 import torch
+
 from kvq import ops
 from kvq.apply import KVGeometry, QuantizerBank
 from kvq.cache import DomainMaps
@@ -42,14 +43,13 @@ def graph_ms(fn):
     return start.elapsed_time(end) / 10
 
 
-g = torch.Generator(device="cuda").manual_seed(0)
-for name, spec in LAYOUTS.items():
+def measure(name: str, spec: QuantSpec, generator: torch.Generator) -> None:
     bank = QuantizerBank(spec, KVGeometry(1, HKV, D))
     forms = {role: bank.get(0, role).packed_form() for role in ("k", "v")}
     states, writes = {}, {}
     for role in ("k", "v"):
         form = forms[role]
-        rows = torch.randn(1, HKV, T, D, device="cuda", generator=g, dtype=torch.float16)
+        rows = torch.randn(1, HKV, T, D, device="cuda", generator=generator, dtype=torch.float16)
         codes, stats = ops.quantize(rows, form)
         layout = form.layout
         states[role] = ops.PackedKV(codes, stats, layout.bits, D, layout.symmetric, layout.token_group,
@@ -63,3 +63,8 @@ for name, spec in LAYOUTS.items():
     attend = graph_ms(lambda: ops.decode_attention(query, step, D ** -0.5))
     print(f"{name:16s} write x32 {write:7.3f} ms  attend x32 {attend:7.3f} ms  "
           f"(K {forms['k'].layout.bits}b, token_group {forms['k'].layout.token_group})", flush=True)
+
+
+generator = torch.Generator(device="cuda").manual_seed(0)
+for name, spec in LAYOUTS.items():
+    measure(name, spec, generator)

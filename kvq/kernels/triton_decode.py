@@ -273,10 +273,9 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS,
     V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK): K and V codes of their own widths (2-8 bits), signed, or
     unsigned with offsets after the scales where K_OFFSETS / V_OFFSETS (an asymmetric layout), or indices into a
-    codebook with a scale per group (TurboQuant's norm, MX's E8M0 bytes) where K_CODEBOOK / V_CODEBOOK; where
-    K_TOKEN_GROUP > 0, keys with
-    stats per channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one stats row per token group, which
-    each tile folds into the query (_channel_scaled_query).
+    codebook with a scale per group (TurboQuant's norm, FP8's per-token scale, MX's E8M0 bytes) where K_CODEBOOK /
+    V_CODEBOOK; where K_TOKEN_GROUP > 0, keys with stats per channel over that many tokens (a multiple of BLOCK;
+    K_GROUPS 1), one stats row per token group, which each tile folds into the query (_channel_scaled_query).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
     whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
     counts come from lengths_ptr (see device_lengths) instead of counts."""

@@ -102,7 +102,7 @@ class FP8(Quantizer):
         if self._form is None:
             layout = PackedLayout(self.d, self.element.bits, self.d, torch.float32, codebook=True,
                                   scheme=f"fp8_{self.element.name}")
-            self._form = PackedForm(layout, torch.ones(self.d), torch.eye(self.d), codebook=self.element.levels())
+            self._form = PackedForm.unrotated(layout, self.element.levels())
         return self._form
 
 

@@ -49,7 +49,7 @@ class KIVI(Quantizer):
             layout = PackedLayout(d, bits, 1, torch.float16, symmetric=False, token_group=group_size)
         else:
             layout = PackedLayout(d, bits, group_size, torch.float16, symmetric=False)
-        self._form = PackedForm(layout, torch.ones(d), torch.eye(d))
+        self._form = PackedForm.unrotated(layout)
 
     def quantized_tokens(self, n_tokens: int) -> int:
         return n_tokens // self.group_size * self.group_size

@@ -107,6 +107,11 @@ class PackedForm:
             return self.signs
         return self.block if self.layout.rotation == "blocks" else self.matrix
 
+    @classmethod
+    def unrotated(cls, layout: PackedLayout, codebook: torch.Tensor | None = None) -> "PackedForm":
+        """The form of a layout written without rotation or lambda (the identity's signs and matrix)."""
+        return cls(layout, torch.ones(layout.head_dim), torch.eye(layout.head_dim), codebook=codebook)
+
     def on(self, device: torch.device) -> "PackedForm":
         """The same form with its constants on `device`, made once per device."""
         key = str(device)

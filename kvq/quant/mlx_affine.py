@@ -84,7 +84,7 @@ class MLXAffine(Quantizer):
     def packed_form(self) -> PackedForm:
         if self._form is None:
             layout = PackedLayout(self.d, self.bits, self.group_size, torch.float16, symmetric=False, scheme="mlx")
-            self._form = PackedForm(layout, torch.ones(self.d), torch.eye(self.d))
+            self._form = PackedForm.unrotated(layout)
         return self._form
 
     def packing_reason(self) -> None:

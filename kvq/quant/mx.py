@@ -80,7 +80,7 @@ class MX(Quantizer):
         if self._form is None:
             layout = PackedLayout(self.d, self.element.bits, BLOCK, E8M0, codebook=True,
                                   scheme=f"mx_{self.element.name}")
-            self._form = PackedForm(layout, torch.ones(self.d), torch.eye(self.d), codebook=self.element.levels())
+            self._form = PackedForm.unrotated(layout, self.element.levels())
         return self._form
 
 
