@@ -139,12 +139,12 @@ def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetr
     layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
                      codebook is not None, scheme)
     reason = unsupported_reason(layout) if scheme == "kvq" else f"the {scheme} scheme's arithmetic has no kernel"
-    if layout.token_group > 1 and rows.is_cuda:  # imported on CUDA only, as decode attention's kernels are
-        from kvq.kernels import triton_quantize
+    if (layout.token_group > 1 or layout.element is not None) and rows.is_cuda:
+        from kvq.kernels import triton_quantize  # imported on CUDA only, as decode attention's kernels are
 
         reason = triton_quantize.unsupported_reason(layout, lam)
         if reason is None:
-            return triton_quantize.quantize_token_groups(rows, layout)
+            return triton_quantize.quantize(rows, layout)
     if reason is not None:
         note_fallback("kvq::quantize", layout, reason)
         return reference_quantize(rows, rotation, lam, layout, codebook)
@@ -172,14 +172,16 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
                       window_keys: torch.Tensor, window_values: torch.Tensor, output_map: torch.Tensor, scale: float,
                       key_bits: int, value_bits: int, key_symmetric: bool, value_symmetric: bool,
                       key_token_group: int, value_token_group: int, key_codebook: torch.Tensor | None,
-                      value_codebook: torch.Tensor | None, counts: torch.Tensor | None) -> torch.Tensor:
+                      value_codebook: torch.Tensor | None, key_float_mantissa: int | None,
+                      value_float_mantissa: int | None, counts: torch.Tensor | None) -> torch.Tensor:
     """counts: None to attend over every row given, or a one-element int64 tensor holding
     device_lengths(packed rows, window rows): the leading rows of the buffers that count. CUDA runs the kernels
     where the layout has them; everything else the reference."""
     d = query.shape[-1]
-    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d, key_symmetric, key_token_group, key_codebook),
+    step = DecodeStep(PackedKV(key_codes, key_scales, key_bits, d, key_symmetric, key_token_group, key_codebook,
+                               key_float_mantissa),
                       PackedKV(value_codes, value_scales, value_bits, d, value_symmetric, value_token_group,
-                               value_codebook),
+                               value_codebook, value_float_mantissa),
                       (window_keys, window_values), query_map, output_map)
     if query.is_cuda:
         # The kernels' modules are imported here, on CUDA only: a CPU measurement never loads them (kvq.fingerprint
@@ -199,7 +201,7 @@ def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: t
 @_decode_attention.register_fake
 def _(query, query_map, key_codes, key_scales, value_codes, value_scales, window_keys, window_values, output_map,
       scale, key_bits, value_bits, key_symmetric, value_symmetric, key_token_group, value_token_group, key_codebook,
-      value_codebook, counts):
+      value_codebook, key_float_mantissa, value_float_mantissa, counts):
     return torch.empty_like(query)
 
 
@@ -250,7 +252,8 @@ def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts
     return torch.ops.kvq.decode_attention(query, step.query_map, keys.codes, keys.scales, values.codes,
                                           values.scales, *step.window, step.output_map, float(scale), keys.bits,
                                           values.bits, keys.symmetric, values.symmetric, keys.token_group,
-                                          values.token_group, keys.codebook, values.codebook, counts)
+                                          values.token_group, keys.codebook, values.codebook, keys.float_mantissa,
+                                          values.float_mantissa, counts)
 
 
 def decode_layout_reason(keys: PackedLayout, values: PackedLayout, gqa: int) -> str | None:
@@ -265,7 +268,7 @@ def _row_form(quantizer: Quantizer) -> PackedForm | None:
     """The quantizer's packed form where its encode is that layout's arithmetic over every row, scalar codes with
     per-token stats, which a kernel may write (encode and decode take rows through the ops). A quantizer whose
     codes share stats across tokens keeps a write's last, partial group exact (KIVI: its keys' layout spans
-    tokens, and its values' residual stays exact too), and codebook codes, which no kernel writes, keep their
+    tokens, and its values' residual stays exact too), and codebook codes, whose decode no kernel runs, keep their
     quantizer's own arithmetic."""
     form = quantizer.packed_form()
     plain = form is not None and quantizer.token_group == 1 and not form.layout.codebook

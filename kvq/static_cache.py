@@ -172,11 +172,10 @@ class StaticQuantizedLayer(StaticKVLayer):
         self.forms = {role: form.on(self.device) for role, form in self.forms.items()}
         for role, form in self.forms.items():
             layout = form.layout
-            self.packed[role] = ops.PackedKV(
+            self.packed[role] = ops.PackedKV.holding(
                 torch.zeros(*lead, self.capacity, layout.code_bytes, dtype=torch.uint8, device=self.device),
                 torch.zeros(*lead, self.capacity // layout.token_group, layout.stats, dtype=layout.scale_dtype,
-                            device=self.device),
-                layout.bits, layout.head_dim, layout.symmetric, layout.token_group, form.codebook)
+                            device=self.device), form)
             self.ring[role] = key_states.new_zeros(*lead, self.window, layout.head_dim)
         for form in self.forms.values():  # builds the kernels and the constants they keep, outside any graph
             rows = key_states.new_zeros(form.layout.token_group, form.layout.head_dim)

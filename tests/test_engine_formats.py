@@ -2,6 +2,7 @@
 casts, torchao's MX and NVFP4 quantizers, gguf-py's ggml blocks (quantize and dequantize), and MLX's own
 `mx.quantize`; on random tensors and on K/V captured from a built-in model."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import loaded, requires_models
+from conftest import DEVICES, loaded, requires_models
 
 from kvq import ops
 from kvq.errors import KvqError
@@ -114,17 +115,24 @@ def test_mx_fp4_codes_equal_ggml_mxfp4_away_from_ties():
     assert torch.equal(ggml_codes.to(codes.dtype), torch.where(codes == negative_zero, 0, codes))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["e2m1", "e2m3", "e3m2", "e4m3", "e5m2"])
-def test_mx_as_a_packed_layout_holds_its_codes_and_e8m0_scales(name):
-    """kvq.ops writes MX's packed layout with the spec's arithmetic: the same codes, the E8M0 scale bytes as the
-    layout's scales (one byte per block, as counted), decoding to what MX's decode gives."""
+def test_mx_as_a_packed_layout_holds_its_codes_and_e8m0_scales(name, device, caplog):
+    """kvq.ops writes MX's packed layout with the spec's arithmetic (on CUDA a Triton kernel for the 4- and 8-bit
+    elements): the same codes, the E8M0 scale bytes as the layout's scales (one byte per block, as counted),
+    decoding to what MX's decode gives."""
     quantizer = MX(FORMATS[name], 64)
     form = quantizer.packed_form()
     assert form.layout.codebook and form.layout.scale_dtype == torch.uint8 and form.layout.group_size == 32
-    x = wide_range((2, 3, 40, 64), seed=1)
-    codes, stats = ops.quantize(x, form)
+    x = wide_range((2, 3, 40, 64), seed=1).to(device)
+    x[0, 0, 2, 5] = -0.0
+    with caplog.at_level(logging.INFO, logger="kvq.kernels"):
+        codes, stats = ops.quantize(x, form)
+    if device == "cuda" and name in ("e2m1", "e4m3", "e5m2"):  # the kernel wrote them
+        assert not [r for r in caplog.records if r.getMessage().startswith("kvq::quantize")]
     packed = quantizer.encode(x)
     assert torch.equal(codes, packed.codes) and torch.equal(stats, packed.scales)
+    assert torch.equal(ops.quantize(x.half(), form)[0], quantizer.encode(x.half()).codes)
     assert codes.numel() * 8 + stats.numel() * 8 == quantizer.bits_per_element(64, 40) * x.numel()
     assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
 
@@ -302,18 +310,21 @@ def test_fp8_scales():
     assert head.bits_per_element(64, 40) == 8
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["e4m3", "e5m2"])
-def test_fp8_with_token_scales_as_a_packed_layout_holds_its_codes_and_scales(name):
+def test_fp8_with_token_scales_as_a_packed_layout_holds_its_codes_and_scales(name, device):
     """Per-token scales make FP8 a packed layout (indices into the format's values, an fp32 scale per token) that
-    kvq.ops writes with FP8's own arithmetic; calibrated scales are a state the static cache does not carry."""
+    kvq.ops writes with FP8's own arithmetic (on CUDA a Triton kernel); calibrated scales are a state the static
+    cache does not carry."""
     quantizer = FP8(FORMATS[name], "token", 64)
     form = quantizer.packed_form()
-    x = wide_range((2, 3, 40, 64), seed=2) / 50
+    x = (wide_range((2, 3, 40, 64), seed=2) / 50).to(device)
+    x[1, 1, 3] = 0  # a row of zeros: scale 0, codes 0
     codes, stats = ops.quantize(x, form)
     packed = quantizer.encode(x)
     assert torch.equal(codes, packed.codes) and torch.equal(stats, packed.token_scales)
     assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
-    assert torch.equal(form.codebook[codes.long()], FORMATS[name].decode(codes))
+    assert torch.equal(form.on(x.device).codebook[codes.long()], FORMATS[name].decode(codes))
     for scale in ("unit", "tensor", "head"):
         calibrated = FP8(FORMATS[name], scale, 64)
         assert calibrated.packed_form() is None and "scale: token" in calibrated.packing_reason()

@@ -171,15 +171,17 @@ def test_learned_rotations_take_the_reference_through_their_matrix():
     torch.testing.assert_close(ops.decode(learned, ops.encode(learned, x)), learned(x), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["symmetric", "asymmetric", "kivi", "codebook", "ggml"])
+@pytest.mark.parametrize("layout", ["symmetric", "asymmetric", "kivi", "codebook", "mx", "ggml"])
 def test_ops_are_custom_ops_that_compile_without_graph_breaks(layout):
     """Per-token codes (signed, or unsigned with offsets), KIVI's (keys per channel over 16-token groups),
-    TurboQuant_mse's codebook codes, and llama.cpp's q4_0 blocks after its Hadamard rotation (ggml's arithmetic)."""
+    TurboQuant_mse's codebook codes, MXFP4's (a float format's codes, E8M0 scales), and llama.cpp's q4_0 blocks after
+    its Hadamard rotation (ggml's arithmetic)."""
     token_group = 16 if layout == "kivi" else 1
     if layout == "kivi":
         form = KIVI("k", 4, token_group, 64).packed_form()
-    elif layout == "codebook":
-        form = QuantizerBank(QuantSpec("turbo", 4), KVGeometry(1, 2, 64)).get(0, "k").packed_form()
+    elif layout in ("codebook", "mx"):
+        spec = QuantSpec("turbo", 4) if layout == "codebook" else QuantSpec("mx")
+        form = QuantizerBank(spec, KVGeometry(1, 2, 64)).get(0, "k").packed_form()
     elif layout == "ggml":
         bank = QuantizerBank(QuantSpec("ggml", options={"type": "q4_0"}), KVGeometry(1, 2, 64))
         form = bank.get(0, "k").packed_form()
@@ -195,8 +197,7 @@ def test_ops_are_custom_ops_that_compile_without_graph_breaks(layout):
                                                              torch.float32, symmetric, layout.rotation, token_group,
                                                              form.codebook))
     if layout.codebook:
-        keys, values = (ops.PackedKV(*ops.quantize(torch.randn(1, 2, 9, 64), form), 4, 64, codebook=form.codebook)
-                        for _ in range(2))
+        keys, values = (ops.PackedKV.holding(*ops.quantize(torch.randn(1, 2, 9, 64), form), form) for _ in range(2))
     else:
         keys = random_packed(1, 2, 9, 64, 4, 16, "cpu", symmetric=symmetric, token_group=token_group)
         values = random_packed(1, 2, 9 if token_group == 1 else 16, 64, 4, 16, "cpu", symmetric=symmetric).rows(9)
@@ -529,7 +530,7 @@ def test_turbo_codebook_layout_through_the_ops_is_turboquants_own_arithmetic(bit
         assert torch.equal(codes, packed.codes) and torch.equal(norms, packed.norm)
         own[role] = turbo.decode(packed)
         assert torch.equal(ops.dequantize(codes, norms, forms[role], torch.float32), own[role])
-        states[role] = ops.PackedKV(codes, norms, bits, 64, codebook=forms[role].on(x.device).codebook)
+        states[role] = ops.PackedKV.holding(codes, norms, forms[role])
     empty = torch.zeros(2, 2, 0, 64, device=device)
     step = DomainMaps(forms["k"], forms["v"], torch.device(device)).step(states["k"], states["v"], (empty, empty))
     query = torch.randn(2, 4, 64, generator=generator).to(device)
@@ -584,7 +585,7 @@ def test_decode_attention_over_float_format_codes_equals_sdpa_over_their_decode(
         x = (torch.randn(batch, kv_heads, tokens, d, generator=generator) * 3).to(device)
         codes, stats = ops.quantize(x, form)
         own[role] = quantizer.decode(quantizer.encode(x))
-        packed[role] = ops.PackedKV(codes, stats, form.layout.bits, d, codebook=form.on(x.device).codebook)
+        packed[role] = ops.PackedKV.holding(codes, stats, form)
     window_rows = (torch.randn(2, batch, kv_heads, window, d, generator=generator)).to(device)
     identity = torch.eye(d, device=device)
     step = DecodeStep(packed["k"], packed["v"], (window_rows[0], window_rows[1]), identity, identity)

@@ -10,9 +10,10 @@ float32 after the tensor-core product, and the probabilities carry the V scales 
 An asymmetric layout's unsigned codes decode as c * s + z: its offsets add z times the group's query sum to a
 key's score, and the probabilities' sum against z to the values (the Triton partial only). Codebook codes
 (TurboQuant_mse's, and the float formats': FP8's and MX's element values) become their levels in registers (a lookup
-in the small float32 table) and their scales (TurboQuant's per-token norm, FP8's per-token scale, MX's E8M0 byte per
-block read as a power of two) serve as the groups' scales; for TurboQuant the query, mapped by R^T, and the
-output, mapped back by R, make the attention run in the rotated domain, as the paper's decode does.
+in the small float32 table; for a float format, arithmetic on the code's bits) and their scales (TurboQuant's
+per-token norm, FP8's per-token scale, MX's E8M0 byte per block read as a power of two) serve as the groups' scales;
+for TurboQuant the query, mapped by R^T, and the output, mapped back by R, make the attention run in the rotated
+domain, as the paper's decode does.
 
 Packed codes live in the quantizers' rotated, lambda-scaled domains (y = lam * R x). With
 query_map = R_k^T diag(1/lam_k) and output_map = diag(1/lam_v) R_v: q . k = (q query_map) . y_k and
@@ -36,7 +37,7 @@ import torch
 
 from kvq.kernels import cuda_decode
 from kvq.kernels.launch import LaunchConfig, launch_for, programmatic_launch, split_plan, triton_resident_programs
-from kvq.kernels.step import DecodeStep, decode_attention_reference
+from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference
 
 try:
     from kvq.kernels import triton_decode
@@ -51,6 +52,11 @@ MAP_COLUMNS = 32  # output columns per program of the query map and the reduce: 
 def _padded_heads(gqa: int, k_groups: int, v_groups: int) -> int:
     """Query rows per scale group in the Triton kernel: a power of two >= GQA, with >= MIN_DOT rows in all."""
     return max(1 << (gqa - 1).bit_length(), triton_decode.MIN_DOT // min(k_groups, v_groups, triton_decode.MIN_DOT))
+
+
+def _float_mantissa(packed: PackedKV) -> int:
+    """The partial's FLOAT_MANTISSA: the mantissa bits of float-format codes, -1 for codes of any other kind."""
+    return -1 if packed.float_mantissa is None else packed.float_mantissa
 
 
 def _query_groups(keys) -> int:
@@ -175,7 +181,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
         shape = (gqa, _padded_heads(gqa, key_groups, values.groups), d // 2, keys.bits, values.bits, key_groups,
                  values.groups, launch.block, int(not keys.symmetric), int(not values.symmetric),
                  keys.token_group if keys.token_group > 1 else 0, int(keys.codebook is not None),
-                 int(values.codebook is not None))
+                 int(values.codebook is not None), _float_mantissa(keys), _float_mantissa(values))
         constants = dict(SHAPE=shape, DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl,
                          num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvq.kernels.plan import packed_codes, per_token_stats
 from kvq.quant.codebooks import decode_unit_vector
-from kvq.quant.layout import stat_values
+from kvq.quant.layout import PackedForm, stat_values
 from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarQuantizer
@@ -24,7 +24,10 @@ class PackedKV:
     """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role; unsigned
     codes with offsets after the scales (B, H, T, 2 groups) where not `symmetric`; one stats row per
     `token_group` tokens (B, H, T / token_group, .) where the stats span tokens; unsigned indices into `codebook`
-    where it is set, with fp32, fp16 or E8M0 scales (kvq.quant.layout)."""
+    where it is set, with fp32, fp16 or E8M0 scales (kvq.quant.layout). `float_mantissa`: where the codes are a
+    float format's bit patterns (sign, exponent, this many mantissa bits; bias 2^(exponent bits - 1) - 1, as every
+    kvq.quant.minifloat element format has), whose values the codebook holds, so a kernel may compute them from the
+    bits instead."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -33,12 +36,20 @@ class PackedKV:
     symmetric: bool = True
     token_group: int = 1
     codebook: torch.Tensor | None = None
+    float_mantissa: int | None = None
+
+    @classmethod
+    def holding(cls, codes: torch.Tensor, scales: torch.Tensor, form: PackedForm) -> "PackedKV":
+        """Codes and stats written in form's layout (kvq.ops.quantize), with the constants that read them."""
+        layout, element = form.layout, form.layout.element
+        return cls(codes, scales, layout.bits, layout.head_dim, layout.symmetric, layout.token_group,
+                   form.on(codes.device).codebook, None if element is None else element.mantissa_bits)
 
     def rows(self, n: int) -> "PackedKV":
         """The first n tokens (and the stats rows they read)."""
         stats_rows = -(-n // self.token_group)
         return PackedKV(self.codes[..., :n, :], self.scales[..., :stats_rows, :], self.bits, self.head_dim,
-                        self.symmetric, self.token_group, self.codebook)
+                        self.symmetric, self.token_group, self.codebook, self.float_mantissa)
 
     def token_stats(self) -> torch.Tensor:
         """The stats row each token reads, one per token (B, H, T, .)."""

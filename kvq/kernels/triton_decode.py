@@ -67,15 +67,18 @@ WINDOW_BLOCK = tl.constexpr(MIN_DOT)  # residual windows are ~16 tokens
 
 @triton.jit
 def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, VALUES: tl.constexpr,
-                SIGNED: tl.constexpr, codebook_ptr, CODEBOOK: tl.constexpr):
+                SIGNED: tl.constexpr, codebook_ptr, CODEBOOK: tl.constexpr, FLOAT_MANTISSA: tl.constexpr):
     """Even and odd coordinates of a (BLOCK, d) tile of codes as fp16 (codes_ptr: this head's rows of
     HALF * BITS // 4 bytes): integers, two's complement where SIGNED, else unsigned, int4 keys biased
-    (_nibbles_to_f16); or, where CODEBOOK, the float32 levels at codebook_ptr that the codes index. For int4 values
-    the conversion is marked impure, which pins it where it is written: Triton otherwise moves the tile's layout
-    change ahead of it, to shift bytes rather than halves, and as V's products run over tokens that gathers the
-    bytes one at a time from shared memory."""
+    (_nibbles_to_f16); or, where CODEBOOK, the float32 levels at codebook_ptr that the codes index, computed from
+    the codes' bits where they are a float format's with FLOAT_MANTISSA >= 0 mantissa bits (_float_bits_to_f16).
+    For int4 values the conversion is marked impure, which pins it where it is written: Triton otherwise moves the
+    tile's layout change ahead of it, to shift bytes rather than halves, and as V's products run over tokens that
+    gathers the bytes one at a time from shared memory."""
     if CODEBOOK:
         even, odd = _load_indices(codes_ptr, tokens, valid, BITS, HALF)
+        if FLOAT_MANTISSA >= 0:
+            return _float_bits_to_f16(even, BITS, FLOAT_MANTISSA), _float_bits_to_f16(odd, BITS, FLOAT_MANTISSA)
         return tl.load(codebook_ptr + even).to(tl.float16), tl.load(codebook_ptr + odd).to(tl.float16)
     if BITS == 4:
         byte = tl.load(codes_ptr + tokens[:, None] * HALF + tl.arange(0, HALF)[None, :],
@@ -88,6 +91,22 @@ def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr
         even = even - ((even >> (BITS - 1)) << BITS)
         odd = odd - ((odd >> (BITS - 1)) << BITS)
     return even.to(tl.float16), odd.to(tl.float16)
+
+@triton.jit
+def _float_bits_to_f16(code, BITS: tl.constexpr, MANTISSA: tl.constexpr):
+    """fp16 values of a float format's codes (int32: sign, BITS - 1 - MANTISSA exponent bits of bias b =
+    2^(that - 1) - 1, MANTISSA mantissa bits). Its exponent and mantissa fields, placed under fp16's (mantissa
+    aligned at the top), read as 2^(e - 15) (1 + m / 2^M), or 2^-14 m / 2^M for e = 0; the format's value is
+    2^(e - b) (1 + m / 2^M), or 2^(1 - b) m / 2^M: both are the fp16 reading times 2^(15 - b). That product is
+    exact, as every value of these formats (at most 5 exponent bits) is an fp16 value."""
+    MAGNITUDE: tl.constexpr = BITS - 1
+    EXPONENT_BIAS: tl.constexpr = (1 << (MAGNITUDE - MANTISSA - 1)) - 1
+    fields = ((code >> MAGNITUDE) << 15) | ((code & ((1 << MAGNITUDE) - 1)) << (10 - MANTISSA))
+    half = fields.to(tl.uint16).to(tl.float16, bitcast=True)
+    if EXPONENT_BIAS == 15:  # fp16's own exponent field (e5m2)
+        return half
+    rescale: tl.constexpr = float(1 << (15 - EXPONENT_BIAS))
+    return half * tl.full([1, 1], rescale, tl.float16)
 
 @triton.jit
 def _load_indices(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr):
@@ -271,11 +290,12 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     window: (keys, values), (B, Hkv, window_capacity, d); partials: (sums (B, Hq, splits, d), maxima and
     normalizers (B, Hq, splits)); all contiguous. counts: (n_packed, n_window, tokens_per_split, capacity,
     window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS,
-    V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK): K and V codes of their own widths (2-8 bits), signed, or
-    unsigned with offsets after the scales where K_OFFSETS / V_OFFSETS (an asymmetric layout), or indices into a
-    codebook with a scale per group (TurboQuant's norm, FP8's per-token scale, MX's E8M0 bytes) where K_CODEBOOK /
-    V_CODEBOOK; where K_TOKEN_GROUP > 0, keys with stats per channel over that many tokens (a multiple of BLOCK;
-    K_GROUPS 1), one stats row per token group, which each tile folds into the query (_channel_scaled_query).
+    V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK, K_FLOAT_MANTISSA, V_FLOAT_MANTISSA): K and V codes of their own
+    widths (2-8 bits), signed, or unsigned with offsets after the scales where K_OFFSETS / V_OFFSETS (an asymmetric
+    layout), or indices into a codebook with a scale per group (TurboQuant's norm, FP8's per-token scale, MX's E8M0
+    bytes) where K_CODEBOOK / V_CODEBOOK, which are a float format's bits where its *_FLOAT_MANTISSA >= 0; where
+    K_TOKEN_GROUP > 0, keys with stats per channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one
+    stats row per token group, which each tile folds into the query (_channel_scaled_query).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
     whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
     counts come from lengths_ptr (see device_lengths) instead of counts."""
@@ -292,6 +312,8 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     K_TOKEN_GROUP: tl.constexpr = SHAPE[10]
     K_CODEBOOK: tl.constexpr = SHAPE[11]
     V_CODEBOOK: tl.constexpr = SHAPE[12]
+    K_FLOAT_MANTISSA: tl.constexpr = SHAPE[13]
+    V_FLOAT_MANTISSA: tl.constexpr = SHAPE[14]
     K_NIBBLES: tl.constexpr = K_BITS == 4 and not K_CODEBOOK
     K_STATS: tl.constexpr = (2 * HALF if K_TOKEN_GROUP > 0 else K_GROUPS) * (1 + K_OFFSETS)
     V_STATS: tl.constexpr = V_GROUPS * (1 + V_OFFSETS)
@@ -352,9 +374,10 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             if V_OFFSETS:
                 v_offsets = _load_scales(vs + V_GROUPS, tokens, valid, V_GROUPS, V_STATS)
             m_i, l_i, acc_even, acc_odd, acc_offset = _online_softmax_step(
-                query, k_bias, _load_codes(kc, tokens, valid, K_BITS, HALF, False, K_SIGNED, keys[2], K_CODEBOOK),
+                query, k_bias,
+                _load_codes(kc, tokens, valid, K_BITS, HALF, False, K_SIGNED, keys[2], K_CODEBOOK, K_FLOAT_MANTISSA),
                 (k_scales, k_offsets, q_sums),
-                _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, values[2], V_CODEBOOK),
+                _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, values[2], V_CODEBOOK, V_FLOAT_MANTISSA),
                 (v_scales, v_offsets), valid, (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK,
                 K_OFFSETS and K_TOKEN_GROUP == 0, V_OFFSETS)
     else:

@@ -9,6 +9,10 @@ The static cache re-quantizes a key group at every write that touches it (kvq.st
 step of every layer; in torch that is a dozen small kernels. Divisions are IEEE (div_rn: Triton's `/` is not) and the
 rounding adds and subtracts 1.5 * 2^23, which rounds a float32 below 2^22 in magnitude to an integer, half to even, as
 torch.round does.
+
+The float formats' writes too (MX's element codes with an E8M0 scale per block of 32, FP8's with an fp32 scale per
+token), bit for bit kvq.quant.mx's and kvq.quant.fp8's arithmetic on CUDA: each static-cache step writes them, and in
+torch each is a few dozen small kernels.
 """
 
 import torch
@@ -16,11 +20,14 @@ import triton
 import triton.language as tl
 
 from kvq.kernels.triton_decode import launch
-from kvq.quant.layout import PackedLayout
+from kvq.quant.layout import MX_SCHEMES, PackedLayout
+from kvq.quant.mx import BLOCK as MX_BLOCK
 
 ROUND_TO_INTEGER = tl.constexpr(12582912.0)  # 1.5 * 2^23
 KERNEL_BITS = (2, 4, 8)  # widths whose codes fill whole bytes per channel block
+FLOAT_KERNEL_BITS = (4, 8)  # float formats whose codes fill whole bytes (FP6's span bytes)
 MAX_TILE = 4096  # tokens x channels per program: float32 values held in registers
+F32_MIN_NORMAL = tl.constexpr(torch.finfo(torch.float32).tiny)
 
 
 @triton.jit
@@ -51,16 +58,95 @@ def token_group_quantize_kernel(rows_ptr, codes_ptr, stats_ptr, D: tl.constexpr,
     tl.store(stats_row + D + channels, offset)
 
 
+@triton.jit
+def _float_codes(v, BITS: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX_VALUE: tl.constexpr):
+    """A float format's codes (int32) of float32 v, as MiniFloat.encode computes them: |v| saturated at MAX_VALUE,
+    its binade e = max(floor(log2 |v|), 1 - BIAS) (read from the float32 exponent field), r = |v| 2^(M - e) (exact)
+    rounded half to even; code = ((e + BIAS - 1) << M) + r, which is the exponent field e + BIAS over mantissa
+    r - 2^M where r >= 2^M, a subnormal's mantissa r in the lowest binade, and carries into the next field where
+    r rounds up to 2^(M + 1); the sign bit from v's (negative zero keeps it)."""
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    magnitude = tl.minimum(tl.abs(v), MAX_VALUE)
+    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    binade = tl.maximum(exponent, 1 - BIAS)
+    to_steps = ((MANTISSA - binade + 127) << 23).to(tl.float32, bitcast=True)
+    steps = (magnitude * to_steps + ROUND_TO_INTEGER) - ROUND_TO_INTEGER
+    return (((binade + BIAS - 1) << MANTISSA) + steps.to(tl.int32)) | (sign << (BITS - 1))
+
+
+@triton.jit(do_not_specialize=["n"])
+def float_codes_kernel(rows_ptr, codes_ptr, scales_ptr, n, D: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+                       MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX_VALUE: tl.constexpr, EMAX: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """One program per ROWS rows (n, D) of any float dtype -> codes (n, D * BITS / 8) uint8 and scales: where BLOCK
+    > 0, MX's (kvq.quant.mx.block_codes: per block of BLOCK coordinates the E8M0 byte of floor(log2 amax) - EMAX,
+    clamped to [0, 255], and x divided by its value, floored at float32's least normal), (n, D / BLOCK) uint8;
+    else FP8's per-token scale (kvq.quant.fp8: amax times the float32 reciprocal of MAX_VALUE, as torch's CUDA
+    division by a number is, and x / scale where it is positive, else 0), (n, 1) float32."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < n
+    x = tl.load(rows_ptr + rows[:, None].to(tl.int64) * D + tl.arange(0, D)[None, :], mask=ok[:, None],
+                other=0.0).to(tl.float32)
+    if BLOCK > 0:
+        BLOCKS: tl.constexpr = D // BLOCK
+        amax = tl.max(tl.reshape(tl.abs(x), (ROWS, BLOCKS, BLOCK)), 2)
+        exponent_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        biased = tl.minimum(tl.maximum(exponent_field - EMAX, 0), 255)
+        scale = tl.maximum((biased << 23).to(tl.float32, bitcast=True), F32_MIN_NORMAL)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCKS, BLOCK)), (ROWS, D))
+        v = tl.math.div_rn(x, scale)
+        tl.store(scales_ptr + rows[:, None].to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)[None, :],
+                 biased.to(tl.uint8), mask=ok[:, None])
+    else:
+        scale = tl.max(tl.abs(x), 1) * (1.0 / MAX_VALUE)
+        v = tl.where(scale[:, None] > 0, tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (ROWS, D))), 0.0)
+        tl.store(scales_ptr + rows, scale, mask=ok)
+    codes = _float_codes(v, BITS, MANTISSA, BIAS, MAX_VALUE)
+    row_bytes: tl.constexpr = D * BITS // 8
+    if BITS == 4:  # kvq.quant.packing: coordinate 2j in byte j's low nibble, 2j + 1 in its high one
+        even, odd = tl.split(tl.reshape(codes, (ROWS, row_bytes, 2)))
+        codes = even | (odd << 4)
+    tl.store(codes_ptr + rows[:, None].to(tl.int64) * row_bytes + tl.arange(0, row_bytes)[None, :],
+             codes.to(tl.uint8), mask=ok[:, None])
+
+
 def unsupported_reason(layout: PackedLayout, lam: torch.Tensor | None) -> str | None:
-    """None when the kernel writes this token-group layout exactly; else why the reference does."""
+    """None when a kernel here writes this layout exactly (KIVI's token groups, FP8's and MX's float codes); else why
+    the reference does."""
     if layout.rotation != "identity" or lam is not None:
-        return "token-group stats after a rotation or lambda are written by the reference"
+        return "token-group stats and float codes after a rotation or lambda are written by the reference"
+    if layout.element is not None:
+        if layout.bits not in FLOAT_KERNEL_BITS or layout.head_dim & (layout.head_dim - 1):
+            return (f"the float-codes kernel writes {'/'.join(map(str, FLOAT_KERNEL_BITS))}-bit elements at a "
+                    f"power-of-two head_dim, not {layout.bits}-bit at {layout.head_dim}")
+        return None
     if layout.bits not in KERNEL_BITS or layout.scale_dtype != torch.float16 or layout.symmetric:
         return f"the token-group kernel writes asymmetric {'/'.join(map(str, KERNEL_BITS))}-bit codes with fp16 stats"
     group, d = layout.token_group, layout.head_dim
     if group & (group - 1) or d & (d - 1) or d < 8 or group * min(d, 32) > MAX_TILE:
         return f"the token-group kernel needs power-of-two head_dim >= 8 and token group <= {MAX_TILE // 32}"
     return None
+
+
+def quantize(rows: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) rows -> codes and stats in a layout unsupported_reason accepts."""
+    if layout.element is not None:
+        return quantize_float_codes(rows, layout)
+    return quantize_token_groups(rows, layout)
+
+
+def quantize_float_codes(rows: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) rows -> an FP8 or MX layout's codes (n, code_bytes) and scales (n, layout.stats)."""
+    n, d = rows.shape
+    element = layout.element
+    codes = torch.empty(n, layout.code_bytes, dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(n, layout.stats, dtype=layout.scale_dtype, device=rows.device)
+    per_row = max(1, MAX_TILE // 2 // d)
+    if n:
+        launch(float_codes_kernel, (-(-n // per_row),), (rows.contiguous(), codes, scales, n), D=d, ROWS=per_row,
+               BITS=element.bits, MANTISSA=element.mantissa_bits, BIAS=element.bias, MAX_VALUE=element.max_value,
+               EMAX=element.max_power_of_two, BLOCK=MX_BLOCK if layout.scheme in MX_SCHEMES else 0)
+    return codes, scales
 
 
 def quantize_token_groups(rows: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvq.quant.minifloat import e8m0_value
+from kvq.quant.minifloat import FORMATS, MiniFloat, e8m0_value
 
 # Rotations named by kind: the kernels apply these from their sign vector alone. "blocks" is a symmetric block
 # applied along head_dim block by block (llama.cpp's Hadamard, kvq.rotations.BlockDiagonal), "matrix" any other
@@ -20,8 +20,9 @@ from kvq.quant.minifloat import e8m0_value
 SIGNED_ROTATIONS = ("identity", "srht", "srft")
 # Who writes a layout's codes: kvq's scalar arithmetic (kvq.quant.scalar: abs-max or min-max scales, round half to
 # even), llama.cpp's block arithmetic (kvq.quant.ggml), MLX's affine one (kvq.quant.mlx_affine), vLLM's FP8 with a
-# scale per token (kvq.quant.fp8) or the OCP MX spec's (kvq.quant.mx), each with its own scales and rounding; only
-# the reference runs the engines'. A float format's scheme names its element format too.
+# scale per token (kvq.quant.fp8) or the OCP MX spec's (kvq.quant.mx), each with its own scales and rounding; the
+# reference runs the engines', and on CUDA a kernel the float formats' (kvq.kernels.triton_quantize). A float
+# format's scheme names its element format too.
 FP8_SCHEMES = ("fp8_e4m3", "fp8_e5m2")
 MX_SCHEMES = ("mx_e2m1", "mx_e2m3", "mx_e3m2", "mx_e4m3", "mx_e5m2")
 SCHEMES = ("kvq", "ggml", "mlx", *FP8_SCHEMES, *MX_SCHEMES)
@@ -69,6 +70,14 @@ class PackedLayout:
     @property
     def code_bytes(self) -> int:
         return self.head_dim * self.bits // 8
+
+    @property
+    def element(self) -> MiniFloat | None:
+        """The float format whose bit patterns a float format's codes are (FP8's, MX's elements): its codebook holds
+        their values, which a kernel may also compute from the bits."""
+        if self.scheme in FP8_SCHEMES or self.scheme in MX_SCHEMES:
+            return FORMATS[self.scheme.split("_", 1)[1]]
+        return None
 
     @property
     def groups(self) -> int:
