@@ -240,6 +240,26 @@ def test_ggml_blocks_as_packed_layouts_hold_ggmls_codes_and_scales(kind, hadamar
     assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
 
 
+def test_iq4_nl_without_the_rotation_is_a_codebook_layout_of_ggmls_codes_and_scales():
+    """iq4_nl with hadamard: false is a codebook layout: kvq.ops writes ggml's level indices and refitted d (the
+    group-32 fp16 scale) as the quantizer's own blocks hold them, in as many bytes, decoding to its decode. After the
+    rotation, whose blocks span two scale blocks, it has no layout and says why."""
+    quantizer = build_quantizer(QuantSpec("ggml", options={"type": "iq4_nl", "hadamard": False}), Site(0, "k", 128))
+    form = quantizer.packed_form()
+    layout = form.layout
+    assert layout.codebook and layout.scale_dtype == torch.float16 and layout.group_size == 32
+    x = wide_range((2, 3, 40, 128))
+    codes, stats = ops.quantize(x, form)
+    packed = quantizer.encode(x)
+    indices = unpack(codes, 4, 128, signed=False).to(torch.int32)
+    assert torch.equal(indices, quantizer.codes(packed).reshape(indices.shape))
+    assert torch.equal(stats, packed.scale.squeeze(-1))
+    assert 8 * (codes.numel() + 2 * stats.numel()) == packed.storage_bits()
+    assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
+    rotated = build_quantizer(QuantSpec("ggml", options={"type": "iq4_nl"}), Site(0, "k", 128))
+    assert rotated.packed_form() is None and "hadamard: false" in rotated.packing_reason()
+
+
 @pytest.mark.parametrize("d,k_block,v_block", [(64, 64, 64), (128, 128, 64), (256, 256, 64), (192, 64, 64),
                                                (96, None, None)])
 def test_ggml_rotation_sizes_follow_llama_cpp(d, k_block, v_block):

@@ -105,7 +105,9 @@ def test_static_cache_matches_the_eager_protocol_cache(kind, policy, device):
 FRONTIER = {"kivi2": QuantSpec("kivi", 2, group_size=16), "kivi4": QuantSpec("kivi", 4, group_size=16),
             "kivi8": QuantSpec("kivi", 8, group_size=16), "turbo3": QuantSpec("turbo", 3),
             "turbo4": QuantSpec("turbo", 4), "ggml-q4_0": QuantSpec("ggml", options={"type": "q4_0"}),
-            "ggml-q5_1": QuantSpec("ggml", options={"type": "q5_1"}), "mlx4-g32": QuantSpec("mlx", 4, group_size=32),
+            "ggml-q5_1": QuantSpec("ggml", options={"type": "q5_1"}),
+            "ggml-iq4_nl": QuantSpec("ggml", options={"type": "iq4_nl", "hadamard": False}),
+            "mlx4-g32": QuantSpec("mlx", 4, group_size=32),
             "mxfp4": QuantSpec("mx"), "mxfp6": QuantSpec("mx", options={"element": "e3m2"}),
             "fp8-token": QuantSpec("fp8", options={"scale": "token"})}
 
@@ -117,7 +119,8 @@ def test_frontier_layouts_in_the_static_cache_match_the_eager_protocol_cache(kin
     """KIVI's keys share stats per channel over 16 positions: the static cache quantizes a group again at each
     write until it is whole, the eager cache holds a write's tokens short of a group exact until the next write
     fills it; with a 16-token window both read the same codes. TurboQuant_mse's codebook codes (SRFT, Lloyd-Max
-    levels, an fp16 norm per token), llama.cpp's q4_0 and q5_1 blocks, MLX's affine codes, MX's element codes with
+    levels, an fp16 norm per token), llama.cpp's q4_0 and q5_1 blocks and its unrotated iq4_nl (level indices, the
+    block's fp16 d), MLX's affine codes, MX's element codes with
     their E8M0 block scales and FP8's with per-token scales (written with their engines' arithmetic) are held as
     they are. 40 prompt tokens and 30 steps cross four group boundaries, with the
     window past them; the decode steps under fused_decoding read every layout's codes in the kernels on CUDA."""

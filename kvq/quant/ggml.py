@@ -21,7 +21,9 @@ The q4_0, q4_1, q5_0, q5_1 and q8_0 blocks are kvq packed layouts (`packed_form`
 less its type's zero (8 or 16 for q4_0 and q5_0) are signed codes of 4, 5 or 8 bits with the fp16 d as a group-32
 scale, and the _1 types' codes unsigned with d and m as scale and offset, so kvq's packed cache holds them in as
 many bytes and its decode kernels read them, and kvq.ops writes them with this arithmetic (`layout_codes`). The
-layout packs a row's codes neighbour by neighbour, not ggml's block byte order. iq4_nl's levels have no layout.
+layout packs a row's codes neighbour by neighbour, not ggml's block byte order. iq4_nl without the rotation is a
+codebook layout: its codes index kvalues_iq4nl (as floats) with the fp16 d as a group-32 scale. After the rotation it
+has none: a rotation block spans two 32-coordinate blocks, whose scales a lookup table cannot follow back through it.
 
 Method card. Follows ggml-quants.c / gguf-py 0.19 and llama-kv-cache.cpp. Rotation products run in float32
 with torch's matmul rather than ggml's, so rotated values may differ from llama.cpp's in the last bit.
@@ -117,9 +119,30 @@ def block_codes(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Te
     return codes.to(torch.int32), d, minimum
 
 
+def iq4_nl_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's iq4_nl KV write of float32 blocks (..., blocks, 32): level indices chosen with d = m / -127, then d
+    refitted by least squares with weights x^2 (float32, fp16 once stored)."""
+    levels = iq4_nl_levels(blocks.device)
+    d = signed_extreme(blocks) / levels[0]
+    codes = nearest_level(blocks * inverse(d), levels)
+    q = levels[codes]
+    weight = blocks * blocks
+    sum_qx, sum_qq = (weight * q * blocks).sum(-1, keepdim=True), (weight * q * q).sum(-1, keepdim=True)
+    refit = torch.where(sum_qq > 0, sum_qx / sum_qq.clamp(min=torch.finfo(torch.float32).tiny), d)
+    return codes, refit
+
+
+def iq4_nl_levels(device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(IQ4_NL_LEVELS, dtype=torch.float32, device=device)
+
+
 def layout_codes(y: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated float32 rows (n, d) -> the layout's codes (n, d * bits / 8) and fp16 stats (n, d / 32 scales, then
-    as many minima for the _1 types): ggml's arithmetic, each signed type's codes less its zero."""
+    as many minima for the _1 types): ggml's arithmetic, each signed type's codes less its zero; iq4_nl's (a
+    codebook layout) level indices and d."""
+    if layout.codebook:
+        codes, d = iq4_nl_codes(split_blocks(y, BLOCK, "iq4_nl"))
+        return pack(merge_blocks(codes), layout.bits), d.to(torch.float16).squeeze(-1)
     kind = LAYOUT_TYPES[(layout.bits, layout.symmetric)]
     codes, d, minimum = block_codes(split_blocks(y, BLOCK, kind), kind)
     if kind in CODE_ZERO:
@@ -142,7 +165,7 @@ class GGMLBlocks(Quantizer):
         blocks = split_blocks(self._rotate(x), BLOCK, self.kind)
         high = None
         if self.kind == "iq4_nl":
-            codes, d = self._iq4_nl(blocks)
+            codes, d = iq4_nl_codes(blocks)
             codes, minimum = codes.to(torch.int32), None
         else:
             codes, d, minimum = block_codes(blocks, self.kind)
@@ -152,16 +175,6 @@ class GGMLBlocks(Quantizer):
             low = pack_nibbles(codes & 0x0F)
             high = pack_fifth_bits(codes) if self.kind.startswith("q5") else None
         return GGMLPacked(d.to(torch.float16), minimum, low, high, x.dtype)
-
-    def _iq4_nl(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        levels = torch.tensor(IQ4_NL_LEVELS, dtype=torch.float32, device=blocks.device)
-        d = signed_extreme(blocks) / levels[0]
-        codes = nearest_level(blocks * inverse(d), levels)
-        q = levels[codes]
-        weight = blocks * blocks
-        sum_qx, sum_qq = (weight * q * blocks).sum(-1, keepdim=True), (weight * q * q).sum(-1, keepdim=True)
-        refit = torch.where(sum_qq > 0, sum_qx / sum_qq.clamp(min=torch.finfo(torch.float32).tiny), d)
-        return codes, refit
 
     def codes(self, packed: GGMLPacked) -> torch.Tensor:
         """The integer code of each coordinate (..., blocks, 32)."""
@@ -181,21 +194,24 @@ class GGMLBlocks(Quantizer):
         elif self.kind == "q8_0":
             blocks = codes * d
         else:
-            levels = torch.tensor(IQ4_NL_LEVELS, dtype=torch.float32, device=codes.device)
-            blocks = d * levels[codes.long()]
+            blocks = d * iq4_nl_levels(codes.device)[codes.long()]
         return self._rotate(merge_blocks(blocks)).to(packed.dtype)  # H is its own inverse
 
     def bits_per_element(self, d: int, n_tokens: int) -> float:
         return TYPE_BITS[self.kind]
 
     def packing_reason(self) -> str | None:
-        if self.kind == "iq4_nl":
-            return "iq4_nl's non-uniform levels with a scale per 32-coordinate block have no packed layout"
+        if self.kind == "iq4_nl" and self.rotation is not None:
+            return ("iq4_nl after llama.cpp's Hadamard rotation has no packed layout: a rotation block spans two "
+                    "32-coordinate blocks, whose scales its level table cannot follow (hadamard: false has one)")
         return None
 
     def packed_form(self) -> PackedForm | None:
         if self.packing_reason() is not None:
             return None
+        if self._form is None and self.kind == "iq4_nl":
+            layout = PackedLayout(self.d, 4, BLOCK, torch.float16, codebook=True, scheme="ggml")
+            self._form = PackedForm.unrotated(layout, iq4_nl_levels())
         if self._form is None:
             bits, symmetric = next(key for key, kind in LAYOUT_TYPES.items() if kind == self.kind)
             rotation = self.rotation or Identity(self.d)
