@@ -575,8 +575,8 @@ def test_decode_attention_over_float_format_codes_equals_sdpa_over_their_decode(
                                                                                 device):
     """MX's and FP8's layouts: indices into the element format's values, with an E8M0 scale byte per block of 32 (MX)
     or an fp32 scale per token (FP8), written by kvq.ops with the formats' own arithmetic. Decode attention over them
-    (on CUDA the Triton partial, which looks each code's value up and reads the E8M0 bytes as powers of two) equals
-    SDPA over the quantizers' own decode and the exact window."""
+    (on CUDA the Triton partial, which computes each code's value from its bits and reads the E8M0 bytes as powers
+    of two) equals SDPA over the quantizers' own decode and the exact window."""
     generator = torch.Generator().manual_seed(tokens)
     packed, own = {}, {}
     for role, name in (("k", key_format), ("v", value_format)):

@@ -212,7 +212,7 @@ class GGMLBlocks(Quantizer):
         if self._form is None and self.kind == "iq4_nl":
             layout = PackedLayout(self.d, 4, BLOCK, torch.float16, codebook=True, scheme="ggml")
             self._form = PackedForm.unrotated(layout, iq4_nl_levels())
-        if self._form is None:
+        elif self._form is None:
             bits, symmetric = next(key for key, kind in LAYOUT_TYPES.items() if kind == self.kind)
             rotation = self.rotation or Identity(self.d)
             layout = PackedLayout(self.d, bits, BLOCK, torch.float16, symmetric, rotation.kind, scheme="ggml")
