@@ -20,16 +20,16 @@ from kvq.quant import QuantSpec
 T, HKV, HQ, D, LAYERS = 32768, 8, 32, 128, 32
 LAYOUTS = {"int4-srft-g32": QuantSpec("srft", 4, "per_group", 32), "kivi4": QuantSpec("kivi", 4, group_size=32),
            "turbo4": QuantSpec("turbo", 4), "mxfp4": QuantSpec("mx"),
-           "fp8-token": QuantSpec("fp8", options={"scale": "token"})}
+           "nvfp4": QuantSpec("nvfp4"), "fp8-token": QuantSpec("fp8", options={"scale": "token"}),
+           "fp8-tensor": QuantSpec("fp8", options={"scale": "tensor"})}
 
 
 def measure(name: str, spec: QuantSpec, generator: torch.Generator) -> None:
     bank = QuantizerBank(spec, KVGeometry(1, HKV, D))
-    forms = {role: bank.get(0, role).packed_form() for role in ("k", "v")}
-    states, writes = {}, {}
+    forms, states, writes = {}, {}, {}
     for role in ("k", "v"):
-        form = forms[role]
         rows = torch.randn(1, HKV, T, D, device="cuda", generator=generator, dtype=torch.float16)
+        form = forms[role] = bank.get(0, role).calibrated_form(rows)  # a layer scale, where the format has one
         states[role] = ops.PackedKV.holding(*ops.quantize(rows, form), form)
         writes[role] = rows[:, :, :form.layout.token_group].contiguous()
     window = torch.randn(2, 1, HKV, 16, D, device="cuda", dtype=torch.float16)

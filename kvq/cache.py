@@ -161,19 +161,34 @@ class DomainMaps:
     """Matrices between a layer's model domain and its quantizers' rotated, lambda-scaled domains.
 
     With y = lam * (R x) the quantized coordinates: q . k = (q R^T / lam) . y_k, and
-    sum_i p_i v_i = (sum_i p_i y_v,i / lam) R (the fused decode attention applies both).
+    sum_i p_i v_i = (sum_i p_i y_v,i / lam) R (the fused decode attention applies both). A layer_scaled layout's
+    values are s y: the maps carry s too (q . k = (s_k q R^T / lam) . y_k), so the kernels read the codes' stats
+    alone.
     """
 
     def __init__(self, key_form: PackedForm, value_form: PackedForm, device: torch.device):
-        def parts(form: PackedForm):
-            rotation = form.matrix.to(device)
-            lam = form.lam.to(device) if form.lam is not None else torch.ones(rotation.shape[0], device=device)
-            return rotation, lam
+        self.query = self._query(key_form, device)
+        self.output = self._output(value_form, device)
 
-        key_rotation, key_lam = parts(key_form)
-        value_rotation, value_lam = parts(value_form)
-        self.query = (key_rotation.T / key_lam).contiguous()
-        self.output = (value_rotation / value_lam[:, None]).contiguous()
+    @staticmethod
+    def _parts(form: PackedForm, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
+        """R, lam and s."""
+        rotation = form.matrix.to(device)
+        lam = form.lam.to(device) if form.lam is not None else torch.ones(rotation.shape[0], device=device)
+        return rotation, lam, 1.0 if form.layer_scale is None else form.layer_scale.to(device)
+
+    def _query(self, form: PackedForm, device: torch.device) -> torch.Tensor:
+        rotation, lam, scale = self._parts(form, device)
+        return (rotation.T / lam * scale).contiguous()
+
+    def _output(self, form: PackedForm, device: torch.device) -> torch.Tensor:
+        rotation, lam, scale = self._parts(form, device)
+        return (rotation / lam[:, None] * scale).contiguous()
+
+    def rescale(self, key_form: PackedForm, value_form: PackedForm) -> None:
+        """Takes the forms' layer scales into the maps, in place (their addresses stay fixed for CUDA graphs)."""
+        self.query.copy_(self._query(key_form, self.query.device))
+        self.output.copy_(self._output(value_form, self.output.device))
 
     def step(self, keys: ops.PackedKV, values: ops.PackedKV,
              window: tuple[torch.Tensor, torch.Tensor]) -> ops.DecodeStep:

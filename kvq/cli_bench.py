@@ -50,7 +50,8 @@ def bench_decode(
                                         "kvq-int4-static-step, kvq-int4-fp-boundary-static-step, "
                                         "kvq-k8v4-static-step, kvq-int4-asym-static-step, kvq-kivi4-static-step, "
                                         "kvq-kivi2-static-step, kvq-turbo4-static-step, kvq-turbo3-static-step, "
-                                        "kvq-mxfp4-static-step, kvq-fp8-static-step, "
+                                        "kvq-mxfp4-static-step, kvq-nvfp4-static-step, kvq-fp8-static-step, "
+                                        "kvq-fp8-tensor-static-step, "
                                         "fp16-gqa-static-compiled, fp16-gqa-static-step "
                                         "(default: all)"),
     new_tokens: int = typer.Option(32),
@@ -86,7 +87,8 @@ def bench_memory(
     context: int = typer.Option(32768, min=64, help="the context of the largest-batch search, in tokens"),
     caches: str = typer.Option("fp16,kvq-int4", help="comma-separated subset of: fp16, kvq-int4, "
                                                              "kvq-int4-fp-boundary, kvq-k8v4, kvq-kivi4, kvq-kivi2, "
-                                                             "kvq-turbo4, kvq-mxfp4, kvq-fp8"),
+                                                             "kvq-turbo4, kvq-mxfp4, kvq-nvfp4, kvq-fp8, "
+                                                             "kvq-fp8-tensor"),
     prefill_chunk: int = typer.Option(4096, min=1, help="tokens of the prefill chunk each probe runs"),
     out: Path = typer.Option(Path("runs/bench")),
     results: Path = typer.Option(Path("RESULTS.md")),

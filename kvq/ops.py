@@ -17,10 +17,10 @@ import torch
 from kvq.kernels import backend_for, note_fallback
 from kvq.kernels.plan import kernel_constants, packed_codes, packed_stats, per_token_stats, unsupported_reason
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
-from kvq.quant import fp8, ggml, mlx_affine, mx
+from kvq.quant import fp8, ggml, mlx_affine, mx, nvfp4
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.codebooks import decode_unit_vector, encode_unit_vector
-from kvq.quant.layout import SIGNED_ROTATIONS, PackedForm, PackedLayout, stat_values
+from kvq.quant.layout import NVFP4_SCHEME, SIGNED_ROTATIONS, PackedForm, PackedLayout, group_scales
 from kvq.quant.packing import pack, unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
@@ -31,14 +31,17 @@ if TYPE_CHECKING:
     from kvq.kernels.launch import LaunchConfig
 
 SCALE_DTYPE_NAMES = {dtype: name for name, dtype in SCALE_DTYPES.items()}
-# the engines' arithmetic per layout scheme: rotated float32 rows (n, d) -> codes and stats
-ENGINE_CODES = {"ggml": ggml.layout_codes, "mlx": mlx_affine.layout_codes, **fp8.LAYOUT_CODES, **mx.LAYOUT_CODES}
+# the engines' arithmetic per layout scheme: rotated float32 rows (n, d) (and a layer_scaled layout's layer scale) ->
+# codes and stats
+ENGINE_CODES = {"ggml": ggml.layout_codes, "mlx": mlx_affine.layout_codes, **fp8.LAYOUT_CODES, **mx.LAYOUT_CODES,
+                NVFP4_SCHEME: nvfp4.layout_codes}
 
 
-def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype, symmetric: bool,
-            rotation_kind: str, token_group: int, codebook: bool, scheme: str = "kvq") -> PackedLayout:
+def _layout(head_dim: int, bits: int, group_size: int, scale_dtype: torch.dtype | None, symmetric: bool,
+            rotation_kind: str, token_group: int, codebook: bool, scheme: str = "kvq",
+            layer_scaled: bool = False) -> PackedLayout:
     return PackedLayout(head_dim, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook,
-                        scheme)
+                        scheme, layer_scaled)
 
 
 def _rotation(rotation: torch.Tensor, layout: PackedLayout) -> Rotation:
@@ -53,16 +56,20 @@ def _scalar(layout: PackedLayout, granularity: str = "per_group") -> ScalarQuant
 
 
 def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
-                       layout: PackedLayout, codebook: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       layout: PackedLayout, codebook: torch.Tensor | None = None,
+                       layer_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RotatedQuantizer.encode's arithmetic on (n, d) rows -> codes and stats (scales, then any offsets); where
     the stats span tokens, KIVI's per-channel arithmetic over each `token_group` consecutive rows (n a multiple);
     for a codebook layout TurboQuant_mse's (Alg. 1: the norm, then the nearest level of each coordinate of the
-    rotated unit vector); for an engine's scheme the engine's arithmetic (ENGINE_CODES).
+    rotated unit vector); for an engine's scheme the engine's arithmetic (ENGINE_CODES), under the layer scale
+    where the layout is layer_scaled.
     rotation: the signs (d,) of a signed rotation kind, the block of a "blocks" one, else its matrix (d, d)."""
     if layout.codebook and layout.scheme == "kvq":
         codes, norm = encode_unit_vector(rows.float(), _rotation(rotation, layout), codebook)
         return pack(codes.to(torch.int16), layout.bits), norm
     y = _rotation(rotation, layout).forward(rows.float())
+    if layout.layer_scaled:
+        return ENGINE_CODES[layout.scheme](y, layout, layer_scale)
     if layout.scheme != "kvq":
         return ENGINE_CODES[layout.scheme](y, layout)
     if lam is not None:
@@ -76,13 +83,14 @@ def reference_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Te
 
 def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor,
                          lam: torch.Tensor | None, layout: PackedLayout, dtype: torch.dtype,
-                         codebook: torch.Tensor | None = None) -> torch.Tensor:
+                         codebook: torch.Tensor | None = None, layer_scale: torch.Tensor | None = None) -> torch.Tensor:
     """RotatedQuantizer.decode's arithmetic, in `dtype` (each token group's stats serving its every row); a
     codebook layout's as TurboQuant_mse decodes (the levels rotated back, times the norm), each group's levels times
-    its scale where there are several (the float formats')."""
+    its scale where there are several (the float formats'), that scale times the layer scale where there is one."""
     if layout.codebook:
         codes = unpack(codes, layout.bits, layout.head_dim, signed=False)
-        return decode_unit_vector(codes, stat_values(scales), _rotation(rotation, layout), codebook).to(dtype)
+        return decode_unit_vector(codes, group_scales(scales, layer_scale), _rotation(rotation, layout),
+                                  codebook).to(dtype)
     n = codes.shape[0]
     inner = packed_codes(codes, per_token_stats(scales, layout.token_group, n), (n, layout.head_dim), dtype,
                          layout.symmetric).inner
@@ -92,71 +100,77 @@ def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: to
     return _rotation(rotation, layout).inverse(y).to(dtype)
 
 
-def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, symmetric: bool,
-                    rotation_kind: str, token_group: int, codebook: torch.Tensor | None) -> PackedLayout:
+def _decoded_layout(codes: torch.Tensor, scales: torch.Tensor, bits: int, symmetric: bool, rotation_kind: str,
+                    token_group: int, codebook: torch.Tensor | None, layer_scale: torch.Tensor | None) -> PackedLayout:
     d = codes.shape[-1] * 8 // bits
+    if not scales.shape[-1]:  # codes scaled by their layer alone
+        return _layout(d, bits, d, None, symmetric, rotation_kind, token_group, True, layer_scaled=True)
     groups = scales.shape[-1] if symmetric else scales.shape[-1] // 2
-    return _layout(d, bits, d // groups, scales.dtype, symmetric, rotation_kind, token_group, codebook is not None)
+    return _layout(d, bits, d // groups, scales.dtype, symmetric, rotation_kind, token_group, codebook is not None,
+                   layer_scaled=layer_scale is not None)
 
 
 @torch.library.custom_op("kvq::quantize", mutates_args=())
 def _quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, bits: int, group_size: int,
-              scale_dtype: torch.dtype, symmetric: bool, rotation_kind: str, token_group: int,
-              codebook: torch.Tensor | None, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+              scale_dtype: torch.dtype | None, symmetric: bool, rotation_kind: str, token_group: int,
+              codebook: torch.Tensor | None, scheme: str, layer_scale: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
     """(n, d) rows -> codes (n, d * bits / 8) uint8 and stats (n / token_group, layout.stats): d / group_size
-    scales, then as many offsets where not `symmetric`; with a codebook, its indices and one scale per row;
-    written by the `scheme`'s arithmetic."""
+    scales, then as many offsets where not `symmetric`; with a codebook, its indices and a scale per group (none
+    without a scale_dtype); written by the `scheme`'s arithmetic, under the layer scale where one is given."""
     layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
-                     codebook is not None, scheme)
-    return reference_quantize(rows, rotation, lam, layout, codebook)
+                     codebook is not None, scheme, layer_scale is not None)
+    return reference_quantize(rows, rotation, lam, layout, codebook, layer_scale)
 
 
 @_quantize.register_fake
-def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook, scheme):
+def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook, scheme,
+      layer_scale):
     n, d = rows.shape
     layout = _layout(d, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group, codebook is not None,
-                     scheme)
+                     scheme, layer_scale is not None)
     return (rows.new_empty(n, layout.code_bytes, dtype=torch.uint8),
-            rows.new_empty(n // token_group, layout.stats, dtype=scale_dtype))
+            rows.new_empty(n // token_group, layout.stats, dtype=layout.stats_dtype))
 
 
 @torch.library.custom_op("kvq::dequantize", mutates_args=())
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
                 bits: int, dtype: torch.dtype, symmetric: bool, rotation_kind: str, token_group: int,
-                codebook: torch.Tensor | None) -> torch.Tensor:
+                codebook: torch.Tensor | None, layer_scale: torch.Tensor | None) -> torch.Tensor:
     """codes (n, d * bits / 8) and stats (n / token_group, layout.stats) -> rows (n, d) of `dtype`."""
-    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group, codebook)
-    return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook)
+    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group, codebook, layer_scale)
+    return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook, layer_scale)
 
 
 @_dequantize.register_fake
-def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group, codebook):
+def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group, codebook, layer_scale):
     return codes.new_empty(codes.shape[0], codes.shape[-1] * 8 // bits, dtype=dtype)
 
 
 def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
-                     codebook, scheme):
+                     codebook, scheme, layer_scale):
     layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
-                     codebook is not None, scheme)
+                     codebook is not None, scheme, layer_scale is not None)
     reason = unsupported_reason(layout) if scheme == "kvq" else f"the {scheme} scheme's arithmetic has no kernel"
     if (layout.token_group > 1 or layout.element is not None) and rows.is_cuda:
         from kvq.kernels import triton_quantize  # imported on CUDA only, as decode attention's kernels are
 
         reason = triton_quantize.unsupported_reason(layout, lam)
         if reason is None:
-            return triton_quantize.quantize(rows, layout)
+            return triton_quantize.quantize(rows, layout, layer_scale)
     if reason is not None:
         note_fallback("kvq::quantize", layout, reason)
-        return reference_quantize(rows, rotation, lam, layout, codebook)
+        return reference_quantize(rows, rotation, lam, layout, codebook, layer_scale)
     return backend_for(rows.device).quantize(layout, kernel_constants(rotation, lam), rows.contiguous())
 
 
-def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group, codebook):
-    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group, codebook)
+def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group, codebook,
+                       layer_scale):
+    layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group, codebook, layer_scale)
     reason = unsupported_reason(layout)
     if reason is not None:
         note_fallback("kvq::dequantize", layout, reason)
-        return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook)
+        return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook, layer_scale)
     return backend_for(codes.device).dequantize(layout, kernel_constants(rotation, lam), codes.contiguous(),
                                                 scales.contiguous(), dtype)
 
@@ -218,24 +232,33 @@ def _counted(step: DecodeStep, counts: torch.Tensor | None) -> DecodeStep:
 def quantize(rows: torch.Tensor, form: PackedForm) -> tuple[torch.Tensor, torch.Tensor]:
     """rows (..., T, d) -> codes (..., T, d * bits / 8) uint8 and stats (..., T / token_group, layout.stats) in
     form.layout (T a multiple of its token_group)."""
-    form = form.on(rows.device)
+    form = _calibrated(form.on(rows.device))
     layout = form.layout
     codes, scales = torch.ops.kvq.quantize(rows.reshape(-1, layout.head_dim), form.rotation_input, form.lam,
                                            layout.bits, layout.group_size, layout.scale_dtype, layout.symmetric,
-                                           layout.rotation, layout.token_group, form.codebook, layout.scheme)
+                                           layout.rotation, layout.token_group, form.codebook, layout.scheme,
+                                           form.layer_scale)
     lead = rows.shape[:-1]
-    return codes.view(*lead, layout.code_bytes), scales.view(*lead[:-1], -1, layout.stats)
+    return codes.view(*lead, layout.code_bytes), scales.view(*lead[:-1], lead[-1] // layout.token_group, layout.stats)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtype: torch.dtype) -> torch.Tensor:
     """codes (..., T, d * bits / 8) and stats (..., T / token_group, layout.stats) in form.layout -> rows
     (..., T, d) of `dtype`."""
-    form = form.on(codes.device)
+    form = _calibrated(form.on(codes.device))
     layout = form.layout
-    rows = torch.ops.kvq.dequantize(codes.reshape(-1, layout.code_bytes), scales.reshape(-1, layout.stats),
+    rows = torch.ops.kvq.dequantize(codes.reshape(-1, layout.code_bytes),
+                                    scales.reshape(codes[..., 0].numel() // layout.token_group, layout.stats),
                                     form.rotation_input, form.lam, layout.bits, dtype, layout.symmetric,
-                                    layout.rotation, layout.token_group, form.codebook)
+                                    layout.rotation, layout.token_group, form.codebook, form.layer_scale)
     return rows.view(*codes.shape[:-1], layout.head_dim)
+
+
+def _calibrated(form: PackedForm) -> PackedForm:
+    if form.layout.layer_scaled and form.layer_scale is None:
+        raise ValueError("a layer_scaled layout's codes need its layer scale: take the form from the quantizer's "
+                         "calibrated_form")
+    return form
 
 
 def decode_attention(query: torch.Tensor, step: DecodeStep, scale: float, counts: torch.Tensor | None = None,

@@ -31,7 +31,7 @@ from kvq.apply import QuantizerBank, kv_geometry
 from kvq.cache import DomainMaps, held_bytes
 from kvq.errors import KvqError
 from kvq.quant.exact import Exact
-from kvq.quant.layout import PackedForm
+from kvq.quant.layout import E4M3_STATS, PackedForm
 
 ROLES = ("k", "v")
 
@@ -154,7 +154,8 @@ class StaticQuantizedLayer(StaticKVLayer):
         super().__init__(max_cache_len)
         if window < 1 or window > max_cache_len:
             raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
-        self.forms: dict[str, PackedForm] = {role: bank.get(layer, role).packed_form() for role in ROLES}
+        self.quantizers = {role: bank.get(layer, role) for role in ROLES}
+        self.forms: dict[str, PackedForm] = {role: q.packed_form() for role, q in self.quantizers.items()}
         self.kv_heads = bank.geometry.n_kv_heads
         group = max(form.layout.token_group for form in self.forms.values())
         if window < min(group, max_cache_len):  # a window of the whole cache never reads a code
@@ -174,11 +175,13 @@ class StaticQuantizedLayer(StaticKVLayer):
             layout = form.layout
             self.packed[role] = ops.PackedKV.holding(
                 torch.zeros(*lead, self.capacity, layout.code_bytes, dtype=torch.uint8, device=self.device),
-                torch.zeros(*lead, self.capacity // layout.token_group, layout.stats, dtype=layout.scale_dtype,
+                torch.zeros(*lead, self.capacity // layout.token_group, layout.stats, dtype=layout.stats_dtype,
                             device=self.device), form)
             self.ring[role] = key_states.new_zeros(*lead, self.window, layout.head_dim)
         for form in self.forms.values():  # builds the kernels and the constants they keep, outside any graph
             rows = key_states.new_zeros(form.layout.token_group, form.layout.head_dim)
+            if form.layout.layer_scaled and form.layer_scale is None:  # any scale builds the same kernels
+                form = form.scaled_by(torch.ones((), device=self.device))
             ops.dequantize(*ops.quantize(rows, form), form, self.dtype)
         self.maps = DomainMaps(self.forms["k"], self.forms["v"], self.device)
         # (packed << 32 | window) rows the kernels attend over: kvq.kernels.step.device_lengths
@@ -190,7 +193,8 @@ class StaticQuantizedLayer(StaticKVLayer):
 
     def _tensors(self) -> list[torch.Tensor]:
         constants = [t for form in self.forms.values()
-                     for t in (form.signs, form.matrix, form.lam, form.codebook, form.block) if t is not None]
+                     for t in (form.signs, form.matrix, form.lam, form.codebook, form.block, form.layer_scale)
+                     if t is not None]
         return [*super()._tensors(), self.counts, self.maps.query, self.maps.output, *constants]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -198,10 +202,12 @@ class StaticQuantizedLayer(StaticKVLayer):
         new = key_states.shape[-2]
         recent = min(new, self.window)
         for role, states in zip(ROLES, (key_states, value_states), strict=True):
+            if self.forms[role].layout.layer_scaled and self.forms[role].layer_scale is None:
+                self._calibrate(role, states)
             if self.forms[role].layout.token_group == 1:
                 codes, scales = ops.quantize(states, self.forms[role])
                 self.packed[role].codes.index_copy_(2, written, codes)
-                self.packed[role].scales.index_copy_(2, written, scales)
+                _copy_rows(self.packed[role].scales, written, scales)
             else:
                 self._write_groups(role, states)
             self.ring[role].index_copy_(2, written[new - recent:] % self.window, states[..., new - recent:, :])
@@ -210,6 +216,16 @@ class StaticQuantizedLayer(StaticKVLayer):
         self.counts.copy_(((self.length - window) << 32 | window).reshape(1))
         return tuple(self.attention_ready(role).index_copy(2, written, states)
                      for role, states in zip(ROLES, (key_states, value_states), strict=True))
+
+    def _calibrate(self, role: str, states: torch.Tensor) -> None:
+        """A layer_scaled layout's layer scale, from its quantizer, which calibrates it on the layer's first K/V (as
+        its own first encode would) unless it has already; the maps take it in."""
+        if torch.compiler.is_compiling():
+            raise KvqError(f"{role.upper()}'s layer scale is calibrated on the layer's first write, which must run "
+                           "eagerly (prefill before compiling a step)")
+        self.forms[role] = self.quantizers[role].calibrated_form(states).on(self.device)
+        torch._dynamo.mark_static_address(self.forms[role].layer_scale)
+        self.maps.rescale(self.forms["k"], self.forms["v"])
 
     def _write_groups(self, role: str, states: torch.Tensor) -> None:
         """Codes and stats of every token group the new tokens touch, from the group's first position: its tokens
@@ -226,8 +242,7 @@ class StaticQuantizedLayer(StaticKVLayer):
         rows = torch.where((positions < self.length).view(-1, 1), earlier, fresh)
         codes, scales = ops.quantize(rows, self.forms[role])
         self.packed[role].codes.index_copy_(2, positions, codes)
-        self.packed[role].scales.index_copy_(2, start // group + torch.arange(span // group, device=self.device),
-                                             scales)
+        _copy_rows(self.packed[role].scales, start // group + torch.arange(span // group, device=self.device), scales)
 
     def attention_ready(self, role: str) -> torch.Tensor:
         """(B, H, max_cache_len, d): the codes dequantized, the window's positions exact from the ring. update
@@ -250,6 +265,13 @@ class StaticQuantizedLayer(StaticKVLayer):
         super().reset()
         if self.is_initialized:
             self.counts.zero_()
+
+
+def _copy_rows(buffer: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    """buffer.index_copy_ along the tokens; E4M3 stats as their bytes (torch has no float8 index_copy)."""
+    if buffer.dtype == E4M3_STATS:
+        buffer, rows = buffer.view(torch.uint8), rows.view(torch.uint8)
+    buffer.index_copy_(2, positions, rows)
 
 
 def unheld_reason(bank: QuantizerBank, layer: int) -> str | None:

@@ -141,7 +141,7 @@ def test_mx_as_a_packed_layout_holds_its_codes_and_e8m0_scales(name, device, cap
 
 def test_nvfp4_codes_and_block_scales_equal_torchao(torchao):
     x = wide_range((2, 3, 40, 64))
-    quantizer = NVFP4()
+    quantizer = NVFP4(64)
     packed = quantizer.encode(x)
     assert torch.equal(quantizer.layer_scale, torchao["nvfp4/layer_scale"])
     assert torch.equal(packed.scales, torchao["nvfp4/scales"])
@@ -153,7 +153,7 @@ def test_nvfp4_decodes_as_ggml_reads_its_blocks():
     """ggml's NVFP4 block (64 values: four UE4M3 scales, then 8 bytes of nibbles per 16) with the layer scale
     at 1: gguf's dequantize of kvq's codes and scales equals kvq's decode."""
     x = wide_range((3, 40, 64)) / 100
-    quantizer = NVFP4()
+    quantizer = NVFP4(64)
     quantizer.layer_scale = torch.tensor(1.0)
     packed = quantizer.encode(x)
     codes = unpack(packed.codes, 4, 64, signed=False).reshape(-1, 4, 16)
@@ -334,8 +334,7 @@ def test_fp8_scales():
 @pytest.mark.parametrize("name", ["e4m3", "e5m2"])
 def test_fp8_with_token_scales_as_a_packed_layout_holds_its_codes_and_scales(name, device):
     """Per-token scales make FP8 a packed layout (indices into the format's values, an fp32 scale per token) that
-    kvq.ops writes with FP8's own arithmetic (on CUDA a Triton kernel); calibrated scales are a state the static
-    cache does not carry."""
+    kvq.ops writes with FP8's own arithmetic (on CUDA a Triton kernel)."""
     quantizer = FP8(FORMATS[name], "token", 64)
     form = quantizer.packed_form()
     x = (wide_range((2, 3, 40, 64), seed=2) / 50).to(device)
@@ -345,9 +344,44 @@ def test_fp8_with_token_scales_as_a_packed_layout_holds_its_codes_and_scales(nam
     assert torch.equal(codes, packed.codes) and torch.equal(stats, packed.token_scales)
     assert torch.equal(ops.dequantize(codes, stats, form, x.dtype), quantizer.decode(packed))
     assert torch.equal(form.on(x.device).codebook[codes.long()], FORMATS[name].decode(codes))
-    for scale in ("unit", "tensor", "head"):
-        calibrated = FP8(FORMATS[name], scale, 64)
-        assert calibrated.packed_form() is None and "scale: token" in calibrated.packing_reason()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, scale", [("e4m3", "tensor"), ("e5m2", "tensor"), ("e4m3", "unit"), ("nvfp4", "")])
+def test_formats_under_a_layer_scale_as_packed_layouts_hold_their_codes_and_no_more(name, scale, device, caplog):
+    """FP8 under one calibrated (or unit) scale stores its codes alone, as vLLM does, and NVFP4 its codes and E4M3
+    block scales: the layer scale is the form's, fixed by the quantizer's first K/V, whether its own encode or the
+    form's calibration saw it first. kvq.ops writes them with the formats' arithmetic (on CUDA a Triton kernel),
+    holding exactly the counted bits, and decodes them as the quantizers do."""
+    quantizer = NVFP4(64) if name == "nvfp4" else FP8(FORMATS[name], scale, 64)
+    assert quantizer.packed_form().layout.layer_scaled
+    if scale != "unit":
+        assert quantizer.packed_form().layer_scale is None
+        with pytest.raises(ValueError, match="calibrated_form"):
+            ops.quantize(torch.ones(1, 64), quantizer.packed_form())
+    first, later = ((wide_range((2, 3, 40, 64), seed=seed) / 50).to(device) for seed in (3, 4))
+    form = quantizer.calibrated_form(first)
+    assert torch.equal(quantizer.calibrated_form(later).layer_scale, form.layer_scale)  # fixed by the first
+    with caplog.at_level(logging.INFO, logger="kvq.kernels"):
+        codes, stats = ops.quantize(later, form)
+    if device == "cuda":  # the kernel wrote them
+        assert not [r for r in caplog.records if r.getMessage().startswith("kvq::quantize")]
+    packed = quantizer.encode(later)
+    assert torch.equal(codes, packed.codes)
+    if name == "nvfp4":
+        assert stats.dtype == torch.float8_e4m3fn and torch.equal(stats.view(torch.uint8), packed.scales)
+    else:
+        assert stats.shape == (2, 3, 40, 0)
+    assert codes.numel() * 8 + stats.numel() * 8 == quantizer.bits_per_element(64, 40) * later.numel()
+    assert torch.equal(ops.dequantize(codes, stats, form, later.dtype), quantizer.decode(packed))
+    fresh = NVFP4(64) if name == "nvfp4" else FP8(FORMATS[name], scale, 64)
+    fresh.encode(first)  # its own encode calibrates: the same form
+    assert torch.equal(fresh.packed_form().layer_scale.cpu(), form.layer_scale.cpu())
+
+
+def test_fp8_with_a_scale_per_head_has_no_packed_layout():
+    quantizer = FP8(E4M3, "head", 64)
+    assert quantizer.packed_form() is None and "one scale per layer" in quantizer.packing_reason()
 
 
 # --- bad input ------------------------------------------------------------------------------------------

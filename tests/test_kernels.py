@@ -171,17 +171,19 @@ def test_learned_rotations_take_the_reference_through_their_matrix():
     torch.testing.assert_close(ops.decode(learned, ops.encode(learned, x)), learned(x), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["symmetric", "asymmetric", "kivi", "codebook", "mx", "ggml"])
+@pytest.mark.parametrize("layout", ["symmetric", "asymmetric", "kivi", "codebook", "mx", "nvfp4", "fp8", "ggml"])
 def test_ops_are_custom_ops_that_compile_without_graph_breaks(layout):
     """Per-token codes (signed, or unsigned with offsets), KIVI's (keys per channel over 16-token groups),
-    TurboQuant_mse's codebook codes, MXFP4's (a float format's codes, E8M0 scales), and llama.cpp's q4_0 blocks after
-    its Hadamard rotation (ggml's arithmetic)."""
+    TurboQuant_mse's codebook codes, MXFP4's (a float format's codes, E8M0 scales), NVFP4's (E4M3 scales under a layer
+    scale), FP8's under a layer scale (no stats), and llama.cpp's q4_0 blocks after its Hadamard rotation (ggml's
+    arithmetic)."""
     token_group = 16 if layout == "kivi" else 1
     if layout == "kivi":
         form = KIVI("k", 4, token_group, 64).packed_form()
-    elif layout in ("codebook", "mx"):
-        spec = QuantSpec("turbo", 4) if layout == "codebook" else QuantSpec("mx")
-        form = QuantizerBank(spec, KVGeometry(1, 2, 64)).get(0, "k").packed_form()
+    elif layout in ("codebook", "mx", "nvfp4", "fp8"):
+        spec = {"codebook": QuantSpec("turbo", 4), "mx": QuantSpec("mx"), "nvfp4": QuantSpec("nvfp4"),
+                "fp8": QuantSpec("fp8", options={"scale": "tensor"})}[layout]
+        form = QuantizerBank(spec, KVGeometry(1, 2, 64)).get(0, "k").calibrated_form(torch.randn(1, 2, 9, 64))
     elif layout == "ggml":
         bank = QuantizerBank(QuantSpec("ggml", options={"type": "q4_0"}), KVGeometry(1, 2, 64))
         form = bank.get(0, "k").packed_form()
@@ -190,12 +192,16 @@ def test_ops_are_custom_ops_that_compile_without_graph_breaks(layout):
     layout, symmetric = form.layout, form.layout.symmetric
     rows = torch.randn(2 * token_group, 64)
     codes, scales = ops.quantize(rows, form)
-    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.rotation_input, form.lam, 4, layout.group_size,
-                                                           layout.scale_dtype, symmetric, layout.rotation,
-                                                           token_group, form.codebook, layout.scheme))
-    torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scales, form.rotation_input, form.lam, 4,
+    torch.library.opcheck(torch.ops.kvq.quantize.default, (rows, form.rotation_input, form.lam, layout.bits,
+                                                           layout.group_size, layout.scale_dtype, symmetric,
+                                                           layout.rotation, token_group, form.codebook, layout.scheme,
+                                                           form.layer_scale))
+    # torch's schema check compares inputs before and after with allclose, which float8 (NVFP4's E4M3 stats) lacks
+    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic",
+              *(("test_schema",) if scales.dtype != torch.float8_e4m3fn else ()))
+    torch.library.opcheck(torch.ops.kvq.dequantize.default, (codes, scales, form.rotation_input, form.lam, layout.bits,
                                                              torch.float32, symmetric, layout.rotation, token_group,
-                                                             form.codebook))
+                                                             form.codebook, form.layer_scale), test_utils=checks)
     if layout.codebook:
         keys, values = (ops.PackedKV.holding(*ops.quantize(torch.randn(1, 2, 9, 64), form), form) for _ in range(2))
     else:
@@ -549,17 +555,25 @@ def test_codebook_layouts_with_several_scale_groups_take_the_identity_rotation()
         PackedLayout(64, 4, 32, torch.float16, rotation="srft", codebook=True)
     with pytest.raises(ValueError, match="codebook codes only"):
         PackedLayout(64, 4, 32, torch.uint8)
+    assert PackedLayout(64, 8, 64, None, codebook=True, layer_scaled=True).stats == 0  # FP8 under a layer scale
+    with pytest.raises(ValueError, match="scaled by their layer alone"):
+        PackedLayout(64, 8, 64, None, codebook=True)
 
 
 FLOAT_FORMATS = {"mxfp4": QuantSpec("mx"), "mxfp6-e3m2": QuantSpec("mx", options={"element": "e3m2"}),
                  "mxfp6-e2m3": QuantSpec("mx", options={"element": "e2m3"}),
                  "mxfp8-e4m3": QuantSpec("mx", options={"element": "e4m3"}),
                  "fp8-e4m3-token": QuantSpec("fp8", options={"scale": "token"}),
-                 "fp8-e5m2-token": QuantSpec("fp8", options={"format": "e5m2", "scale": "token"})}
+                 "fp8-e5m2-token": QuantSpec("fp8", options={"format": "e5m2", "scale": "token"}),
+                 "fp8-e4m3-tensor": QuantSpec("fp8", options={"scale": "tensor"}),
+                 "fp8-e5m2-unit": QuantSpec("fp8", options={"format": "e5m2", "scale": "unit"}),
+                 "nvfp4": QuantSpec("nvfp4")}
 
 
 FLOAT_FORMAT_PAIRS = [("mxfp4", "mxfp4"), ("mxfp6-e3m2", "mxfp8-e4m3"), ("mxfp6-e2m3", "mxfp4"),
-                      ("fp8-e4m3-token", "fp8-e4m3-token"), ("fp8-e5m2-token", "mxfp4")]
+                      ("fp8-e4m3-token", "fp8-e4m3-token"), ("fp8-e5m2-token", "mxfp4"), ("nvfp4", "nvfp4"),
+                      ("fp8-e4m3-tensor", "fp8-e4m3-tensor"), ("fp8-e5m2-unit", "fp8-e4m3-token"),
+                      ("nvfp4", "mxfp4")]
 SHAPES = [(1, 32, 8, 128, 4099, 16),  # Llama-3-8B's heads, a length no block size divides
           (2, 9, 3, 64, 517, 0), (1, 14, 2, 64, 1, 1)]
 # at head_dim 256 a per-token scale beside MX's 8 blocks would pad the query rows past what one program holds
@@ -573,22 +587,24 @@ WIDE = [(1, 4, 1, 256, 300, 15)]
 def test_decode_attention_over_float_format_codes_equals_sdpa_over_their_decode(key_format, value_format, batch,
                                                                                 q_heads, kv_heads, d, tokens, window,
                                                                                 device):
-    """MX's and FP8's layouts: indices into the element format's values, with an E8M0 scale byte per block of 32 (MX)
-    or an fp32 scale per token (FP8), written by kvq.ops with the formats' own arithmetic. Decode attention over them
-    (on CUDA the Triton partial, which computes each code's value from its bits and reads the E8M0 bytes as powers
-    of two) equals SDPA over the quantizers' own decode and the exact window."""
+    """MX's, FP8's and NVFP4's layouts: indices into the element format's values, with an E8M0 scale byte per block of
+    32 (MX), an fp32 scale per token (FP8) or none, or an E4M3 scale per block of 16 (NVFP4), and a layer scale where
+    the format has one (FP8 under a tensor or unit scale, NVFP4), written by kvq.ops with the formats' own arithmetic.
+    Decode attention over them (on CUDA the Triton partial, which computes each code's value from its bits and reads
+    the E8M0 bytes as powers of two, the layer scales in the maps) equals SDPA over the quantizers' own decode and
+    the exact window."""
     generator = torch.Generator().manual_seed(tokens)
-    packed, own = {}, {}
+    packed, own, forms = {}, {}, {}
     for role, name in (("k", key_format), ("v", value_format)):
         quantizer = QuantizerBank(FLOAT_FORMATS[name], KVGeometry(1, kv_heads, d)).get(0, role)
-        form = quantizer.packed_form()
         x = (torch.randn(batch, kv_heads, tokens, d, generator=generator) * 3).to(device)
-        codes, stats = ops.quantize(x, form)
+        forms[role] = quantizer.calibrated_form(x)
+        codes, stats = ops.quantize(x, forms[role])
         own[role] = quantizer.decode(quantizer.encode(x))
-        packed[role] = ops.PackedKV.holding(codes, stats, form)
+        packed[role] = ops.PackedKV.holding(codes, stats, forms[role])
     window_rows = (torch.randn(2, batch, kv_heads, window, d, generator=generator)).to(device)
-    identity = torch.eye(d, device=device)
-    step = DecodeStep(packed["k"], packed["v"], (window_rows[0], window_rows[1]), identity, identity)
+    maps = DomainMaps(forms["k"], forms["v"], device)
+    step = DecodeStep(packed["k"], packed["v"], (window_rows[0], window_rows[1]), maps.query, maps.output)
     query = torch.randn(batch, q_heads, d, generator=generator).to(device)
     keys, values = (torch.cat([own[role], window_rows[i]], dim=-2) for i, role in enumerate("kv"))
     expected = F.scaled_dot_product_attention(query.unsqueeze(-2), keys, values, scale=d ** -0.5,

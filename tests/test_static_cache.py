@@ -109,7 +109,9 @@ FRONTIER = {"kivi2": QuantSpec("kivi", 2, group_size=16), "kivi4": QuantSpec("ki
             "ggml-iq4_nl": QuantSpec("ggml", options={"type": "iq4_nl", "hadamard": False}),
             "mlx4-g32": QuantSpec("mlx", 4, group_size=32),
             "mxfp4": QuantSpec("mx"), "mxfp6": QuantSpec("mx", options={"element": "e3m2"}),
-            "fp8-token": QuantSpec("fp8", options={"scale": "token"})}
+            "fp8-token": QuantSpec("fp8", options={"scale": "token"}),
+            "fp8-tensor": QuantSpec("fp8", options={"scale": "tensor"}),
+            "fp8-unit": QuantSpec("fp8", options={"format": "e5m2", "scale": "unit"}), "nvfp4": QuantSpec("nvfp4")}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -121,21 +123,23 @@ def test_frontier_layouts_in_the_static_cache_match_the_eager_protocol_cache(kin
     fills it; with a 16-token window both read the same codes. TurboQuant_mse's codebook codes (SRFT, Lloyd-Max
     levels, an fp16 norm per token), llama.cpp's q4_0 and q5_1 blocks and its unrotated iq4_nl (level indices, the
     block's fp16 d), MLX's affine codes, MX's element codes with
-    their E8M0 block scales and FP8's with per-token scales (written with their engines' arithmetic) are held as
-    they are. 40 prompt tokens and 30 steps cross four group boundaries, with the
-    window past them; the decode steps under fused_decoding read every layout's codes in the kernels on CUDA."""
+    their E8M0 block scales, FP8's with per-token scales or alone under a layer scale, and NVFP4's with E4M3 block
+    scales under one (written with their engines' arithmetic) are held as they are. A layer scale is fixed by the
+    first K/V its site sees: the fused static cache runs first and calibrates it on its prompt, and the caches after
+    it read the same. 40 prompt tokens and 30 steps cross four group boundaries, with the window past them; the
+    decode steps under fused_decoding read every layout's codes in the kernels on CUDA."""
     model = tiny(kind).to(device)
     bank = QuantizerBank(spec, kv_geometry(model.config))
     prompt = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
     window = 16
+    with fused_decoding(model, static := StaticQuantizedCache(bank, model.config, max_cache_len=72, window=window)):
+        fused_tokens, fused_logits = greedy(model, static, prompt, 30)
     with quantized_kv(model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
         expected_tokens, expected = greedy(model, fresh()["past_key_values"], prompt, 30)
     static = StaticQuantizedCache(bank, model.config, max_cache_len=72, window=window)
     tokens, logits = greedy(model, static, prompt, 30)
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
     assert torch.equal(tokens, expected_tokens)
-    with fused_decoding(model, static := StaticQuantizedCache(bank, model.config, max_cache_len=72, window=window)):
-        fused_tokens, fused_logits = greedy(model, static, prompt, 30)
     torch.testing.assert_close(fused_logits, expected, atol=2e-4 if device == "cpu" else 5e-3, rtol=0)
     assert torch.equal(fused_tokens, expected_tokens)
 

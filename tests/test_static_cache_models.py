@@ -1,5 +1,6 @@
 """The static cache on real models, SRFT-4 in groups of 32 alone and with Qwen2's fp boundary layers (a policy that
-helps it on Qwen2.5, RESULTS.md), KIVI-2 and KIVI-4 (the frontier there) and TurboQuant-3 and -4 (SmolLM2's): a
+helps it on Qwen2.5, RESULTS.md), KIVI-2 and KIVI-4 (the frontier there), TurboQuant-3 and -4 (SmolLM2's) and formats
+engines ship (llama.cpp's q4_0, MXFP4, NVFP4, FP8 under a calibrated scale): a
 prompt prefilled, then tokens of the text teacher-forced one decode step at a time, through the static cache
 (decode steps attending from the codes) and through the reference protocol cache; each step's log-probability of
 the text's next token must agree to float rounding.
@@ -32,6 +33,8 @@ LAYOUTS = {  # (base spec, per-site policy, window): KIVI's window holds a whole
     "turbo4": (QuantSpec("turbo", 4), None, 8),
     "ggml-q4_0": (QuantSpec("ggml", options={"type": "q4_0"}), None, 8),  # with llama.cpp's Hadamard rotation
     "mxfp4": (QuantSpec("mx"), None, 8),
+    "nvfp4": (QuantSpec("nvfp4"), None, 8),  # the layer scales the reference cache's first encode calibrates
+    "fp8-tensor": (QuantSpec("fp8", options={"scale": "tensor"}), None, 8),
 }
 
 

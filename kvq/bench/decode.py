@@ -134,11 +134,16 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
                 _kvq_static(quantizer=("turbo", 4)), loop="step"),
     DecodeCache("kvq-turbo3-static-step", "kvq TurboQuant_mse-3, static, compiled step loop", "turbo3",
                 _kvq_static(quantizer=("turbo", 3)), loop="step"),
-    # Formats engines ship: the OCP MX spec's fp4 (an E8M0 scale per 32) and vLLM's fp8 e4m3 with per-token scales
+    # Formats engines ship: the OCP MX spec's fp4 (an E8M0 scale per 32), NVIDIA's NVFP4 (an E4M3 scale per 16 and
+    # one per layer) and vLLM's fp8 e4m3, with per-token scales or, as vLLM runs it, one calibrated scale per layer
     DecodeCache("kvq-mxfp4-static-step", "kvq MXFP4 (e2m1, E8M0 per 32), static, compiled step loop", "mxfp4",
                 _kvq_static(quantizer=("mx",)), loop="step"),
+    DecodeCache("kvq-nvfp4-static-step", "kvq NVFP4 (e2m1, E4M3 per 16, fp32 per layer), static, compiled step "
+                "loop", "nvfp4", _kvq_static(quantizer=("nvfp4",)), loop="step"),
     DecodeCache("kvq-fp8-static-step", "kvq FP8 e4m3, fp32 scale per token, static, compiled step loop", "fp8",
                 _kvq_static(quantizer=("fp8",), options={"scale": "token"}), loop="step"),
+    DecodeCache("kvq-fp8-tensor-static-step", "kvq FP8 e4m3, one calibrated scale per layer, static, compiled step "
+                "loop", "fp8", _kvq_static(quantizer=("fp8",), options={"scale": "tensor"}), loop="step"),
     # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
     # static cache's mask, see kvq.gqa_attention).
     DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",

@@ -22,7 +22,9 @@ MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows: (spec, per-si
     "kvq-kivi2": (QuantSpec("kivi", 2, group_size=32), None, 32),
     "kvq-turbo4": (QuantSpec("turbo", 4), None, 16),
     "kvq-mxfp4": (QuantSpec("mx"), None, 16),
+    "kvq-nvfp4": (QuantSpec("nvfp4"), None, 16),
     "kvq-fp8": (QuantSpec("fp8", options={"scale": "token"}), None, 16),
+    "kvq-fp8-tensor": (QuantSpec("fp8", options={"scale": "tensor"}), None, 16),
 }
 DECODE_STEPS = 8
 CONTEXT_STEP = 8192  # the longest context is searched in whole multiples of this

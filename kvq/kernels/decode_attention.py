@@ -9,9 +9,11 @@ query's rows are laid out once per scale group, so each group's share of q . k m
 float32 after the tensor-core product, and the probabilities carry the V scales into the second product.
 An asymmetric layout's unsigned codes decode as c * s + z: its offsets add z times the group's query sum to a
 key's score, and the probabilities' sum against z to the values (the Triton partial only). Codebook codes
-(TurboQuant_mse's, and the float formats': FP8's and MX's element values) become their levels in registers (a lookup
-in the small float32 table; for a float format, arithmetic on the code's bits) and their scales (TurboQuant's
-per-token norm, FP8's per-token scale, MX's E8M0 byte per block read as a power of two) serve as the groups' scales;
+(TurboQuant_mse's, and the float formats': FP8's, MX's and NVFP4's element values) become their levels in registers (a
+lookup in the small float32 table; for a float format, arithmetic on the code's bits) and their scales (TurboQuant's
+per-token norm, FP8's per-token scale, MX's E8M0 byte per block read as a power of two, NVFP4's E4M3 byte per block)
+serve as the groups' scales, or unit scales where the layout stores none (FP8 under one scale per layer); a layer
+scale (NVFP4's, FP8's) is the query and output maps';
 for TurboQuant the query, mapped by R^T, and the output, mapped back by R, make the attention run in the rotated
 domain, as the paper's decode does.
 
@@ -38,6 +40,7 @@ import torch
 from kvq.kernels import cuda_decode
 from kvq.kernels.launch import LaunchConfig, launch_for, programmatic_launch, split_plan, triton_resident_programs
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference
+from kvq.quant.layout import E4M3_STATS
 
 try:
     from kvq.kernels import triton_decode
@@ -57,6 +60,13 @@ def _padded_heads(gqa: int, k_groups: int, v_groups: int) -> int:
 def _float_mantissa(packed: PackedKV) -> int:
     """The partial's FLOAT_MANTISSA: the mantissa bits of float-format codes, -1 for codes of any other kind."""
     return -1 if packed.float_mantissa is None else packed.float_mantissa
+
+
+def _stats_kind(packed: PackedKV) -> int:
+    """The partial's K_SCALES / V_SCALES: how the stats are held (triton_decode.STATS_*)."""
+    if not packed.scales.shape[-1]:
+        return triton_decode.STATS_NONE.value
+    return triton_decode.STATS_E4M3.value if packed.scales.dtype == E4M3_STATS else triton_decode.STATS_STORED.value
 
 
 def _query_groups(keys) -> int:
@@ -161,8 +171,8 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     n_packed, n_window = keys.codes.shape[2], step.window[0].shape[2]
     query, output_map = query.contiguous(), step.output_map.float().contiguous()
     capacity = rows_buffer(keys.codes)
-    if not (capacity == rows_buffer(keys.scales) * keys.token_group == rows_buffer(values.codes)
-            == rows_buffer(values.scales)):
+    stats_capacities = [rows_buffer(p.scales) * p.token_group for p in (keys, values) if p.scales.shape[-1]]
+    if any(rows != capacity for rows in (rows_buffer(values.codes), *stats_capacities)):
         raise ValueError("packed K and V codes and scales must share one row capacity")
     window_capacity = rows_buffer(step.window[0])
     if rows_buffer(step.window[1]) != window_capacity:
@@ -181,7 +191,8 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
         shape = (gqa, _padded_heads(gqa, key_groups, values.groups), d // 2, keys.bits, values.bits, key_groups,
                  values.groups, launch.block, int(not keys.symmetric), int(not values.symmetric),
                  keys.token_group if keys.token_group > 1 else 0, int(keys.codebook is not None),
-                 int(values.codebook is not None), _float_mantissa(keys), _float_mantissa(values))
+                 int(values.codebook is not None), _float_mantissa(keys), _float_mantissa(values),
+                 _stats_kind(keys), _stats_kind(values))
         constants = dict(SHAPE=shape, DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl,
                          num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts
@@ -228,5 +239,7 @@ def _triton_partial_args(query, mapped_query, step: DecodeStep, partials: tuple,
 
 
 def _packed_args(packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes, stats and codebook levels (the stats stand in where there are none: the kernel leaves them unread)."""
-    return packed.codes, packed.scales, packed.scales if packed.codebook is None else packed.codebook
+    """Codes, stats (E4M3 ones as their bytes) and codebook levels (the stats stand in where there are none: the
+    kernel leaves them unread)."""
+    stats = packed.scales.view(torch.uint8) if packed.scales.dtype == E4M3_STATS else packed.scales
+    return packed.codes, stats, stats if packed.codebook is None else packed.codebook

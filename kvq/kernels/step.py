@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvq.kernels.plan import packed_codes, per_token_stats
 from kvq.quant.codebooks import decode_unit_vector
-from kvq.quant.layout import PackedForm, stat_values
+from kvq.quant.layout import PackedForm, group_scales
 from kvq.quant.packing import unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarQuantizer
@@ -24,7 +24,8 @@ class PackedKV:
     """Packed codes (B, H, T, d*bits/8) uint8 and fp32 or fp16 scales (B, H, T, groups) of one role; unsigned
     codes with offsets after the scales (B, H, T, 2 groups) where not `symmetric`; one stats row per
     `token_group` tokens (B, H, T / token_group, .) where the stats span tokens; unsigned indices into `codebook`
-    where it is set, with fp32, fp16 or E8M0 scales (kvq.quant.layout). `float_mantissa`: where the codes are a
+    where it is set, with fp32, fp16, E8M0 or E4M3 scales, or none (B, H, T, 0): a layer_scaled layout's codes, whose
+    layer scale the DecodeStep's maps carry (kvq.quant.layout). `float_mantissa`: where the codes are a
     float format's bit patterns (sign, exponent, this many mantissa bits; bias 2^(exponent bits - 1) - 1, as every
     kvq.quant.minifloat element format has), whose values the codebook holds, so a kernel may compute them from the
     bits instead."""
@@ -57,7 +58,9 @@ class PackedKV:
 
     @property
     def groups(self) -> int:
-        return self.scales.shape[-1] if self.symmetric else self.scales.shape[-1] // 2
+        """Scale groups per row (one where there are no stats)."""
+        stats = self.scales.shape[-1]
+        return 1 if not stats else stats if self.symmetric else stats // 2
 
     @property
     def group(self) -> int:
@@ -70,10 +73,11 @@ class PackedKV:
 
     def dequantized(self) -> torch.Tensor:
         """float32 codes x scales (+ offsets) in the quantizer's rotated domain (the reference ScalarQuantizer
-        decode; per-token scales are the one-group case), or the codebook's levels times their group's scale."""
+        decode; per-token scales are the one-group case), or the codebook's levels times their group's scale (the
+        levels alone without stats: the layer scale is the maps')."""
         if self.codebook is not None:
             codes = unpack(self.codes, self.bits, self.head_dim, signed=False)
-            return decode_unit_vector(codes, stat_values(self.scales), Identity(self.head_dim), self.codebook)
+            return decode_unit_vector(codes, group_scales(self.scales, None), Identity(self.head_dim), self.codebook)
         return ScalarQuantizer(self.bits, "per_group", self.group, self.symmetric).decode(
             self.as_packed(torch.float32).inner)
 

@@ -64,6 +64,11 @@ _UNSIGNED_BIASED = _nibbles_to_f16(1024, 1024, exact=False)
 _UNSIGNED_EXACT = _nibbles_to_f16(1024, 1024, exact=True)
 HIGH_STEP = tl.constexpr(16.0)
 WINDOW_BLOCK = tl.constexpr(MIN_DOT)  # residual windows are ~16 tokens
+# How a layout's stats are held (the partial's K_SCALES / V_SCALES): none (codes scaled by their layer alone, which
+# the maps carry), as their dtype reads (float32, fp16, E8M0 bytes), or E4M3 bytes (NVFP4's block scales)
+STATS_NONE = tl.constexpr(0)
+STATS_STORED = tl.constexpr(1)
+STATS_E4M3 = tl.constexpr(2)
 
 @triton.jit
 def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, VALUES: tl.constexpr,
@@ -71,14 +76,14 @@ def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr
     """Even and odd coordinates of a (BLOCK, d) tile of codes as fp16 (codes_ptr: this head's rows of
     HALF * BITS // 4 bytes): integers, two's complement where SIGNED, else unsigned, int4 keys biased
     (_nibbles_to_f16); or, where CODEBOOK, the float32 levels at codebook_ptr that the codes index, computed from
-    the codes' bits where they are a float format's with FLOAT_MANTISSA >= 0 mantissa bits (_float_bits_to_f16).
+    the codes' bits where they are a float format's with FLOAT_MANTISSA >= 0 mantissa bits (float_bits_to_f16).
     For int4 values the conversion is marked impure, which pins it where it is written: Triton otherwise moves the
     tile's layout change ahead of it, to shift bytes rather than halves, and as V's products run over tokens that
     gathers the bytes one at a time from shared memory."""
     if CODEBOOK:
         even, odd = _load_indices(codes_ptr, tokens, valid, BITS, HALF)
         if FLOAT_MANTISSA >= 0:
-            return _float_bits_to_f16(even, BITS, FLOAT_MANTISSA), _float_bits_to_f16(odd, BITS, FLOAT_MANTISSA)
+            return float_bits_to_f16(even, BITS, FLOAT_MANTISSA), float_bits_to_f16(odd, BITS, FLOAT_MANTISSA)
         return tl.load(codebook_ptr + even).to(tl.float16), tl.load(codebook_ptr + odd).to(tl.float16)
     if BITS == 4:
         byte = tl.load(codes_ptr + tokens[:, None] * HALF + tl.arange(0, HALF)[None, :],
@@ -93,7 +98,7 @@ def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr
     return even.to(tl.float16), odd.to(tl.float16)
 
 @triton.jit
-def _float_bits_to_f16(code, BITS: tl.constexpr, MANTISSA: tl.constexpr):
+def float_bits_to_f16(code, BITS: tl.constexpr, MANTISSA: tl.constexpr):
     """fp16 values of a float format's codes (int32: sign, BITS - 1 - MANTISSA exponent bits of bias b =
     2^(that - 1) - 1, MANTISSA mantissa bits). Its exponent and mantissa fields, placed under fp16's (mantissa
     aligned at the top), read as 2^(e - 15) (1 + m / 2^M), or 2^-14 m / 2^M for e = 0; the format's value is
@@ -142,12 +147,15 @@ def _nibbles(byte, CONVERSION: tl.constexpr, PINNED: tl.constexpr):
                                      is_pure=not PINNED, pack=4)
 
 @triton.jit
-def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.constexpr):
-    """(GROUPS, BLOCK) float32 scales of a tile (stored as float32, fp16 or E8M0 bytes, STATS per token): one row
-    per scale group. At scales_ptr + GROUPS: the offsets of an asymmetric layout. An E8M0 byte b is 2^(b - 127),
-    float32's exponent field."""
+def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.constexpr,
+                 KIND: tl.constexpr = STATS_STORED):
+    """(GROUPS, BLOCK) float32 scales of a tile (STATS per token): one row per scale group. At scales_ptr + GROUPS:
+    the offsets of an asymmetric layout. KIND (STATS_*): as stored (float32, fp16, or E8M0 bytes, a byte b being
+    2^(b - 127), float32's exponent field), or E4M3 bytes, their values computed from their bits."""
     groups = tl.arange(0, GROUPS)
     scales = tl.load(scales_ptr + tokens[None, :] * STATS + groups[:, None], mask=valid[None, :], other=0)
+    if KIND == STATS_E4M3:
+        return float_bits_to_f16(scales.to(tl.int32), 8, 3).to(tl.float32)
     if scales_ptr.dtype.element_ty == tl.uint8:
         return (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     return scales.to(tl.float32)
@@ -290,10 +298,12 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     window: (keys, values), (B, Hkv, window_capacity, d); partials: (sums (B, Hq, splits, d), maxima and
     normalizers (B, Hq, splits)); all contiguous. counts: (n_packed, n_window, tokens_per_split, capacity,
     window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS,
-    V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK, K_FLOAT_MANTISSA, V_FLOAT_MANTISSA): K and V codes of their own
-    widths (2-8 bits), signed, or unsigned with offsets after the scales where K_OFFSETS / V_OFFSETS (an asymmetric
-    layout), or indices into a codebook with a scale per group (TurboQuant's norm, FP8's per-token scale, MX's E8M0
-    bytes) where K_CODEBOOK / V_CODEBOOK, which are a float format's bits where its *_FLOAT_MANTISSA >= 0; where
+    V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK, K_FLOAT_MANTISSA, V_FLOAT_MANTISSA, K_SCALES, V_SCALES): K and V
+    codes of their own widths (2-8 bits), signed, or unsigned with offsets after the scales where K_OFFSETS /
+    V_OFFSETS (an asymmetric layout), or indices into a codebook with a scale per group (TurboQuant's norm, FP8's
+    per-token scale, MX's E8M0 bytes, NVFP4's E4M3 bytes: K_SCALES / V_SCALES STATS_E4M3) where K_CODEBOOK /
+    V_CODEBOOK, which are a float format's bits where its *_FLOAT_MANTISSA >= 0, or with no stats at all (unit
+    scales: STATS_NONE); where
     K_TOKEN_GROUP > 0, keys with stats per channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one
     stats row per token group, which each tile folds into the query (_channel_scaled_query).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
@@ -314,6 +324,8 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     V_CODEBOOK: tl.constexpr = SHAPE[12]
     K_FLOAT_MANTISSA: tl.constexpr = SHAPE[13]
     V_FLOAT_MANTISSA: tl.constexpr = SHAPE[14]
+    K_SCALES: tl.constexpr = SHAPE[15]
+    V_SCALES: tl.constexpr = SHAPE[16]
     K_NIBBLES: tl.constexpr = K_BITS == 4 and not K_CODEBOOK
     K_STATS: tl.constexpr = (2 * HALF if K_TOKEN_GROUP > 0 else K_GROUPS) * (1 + K_OFFSETS)
     V_STATS: tl.constexpr = V_GROUPS * (1 + V_OFFSETS)
@@ -364,12 +376,17 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
                 query, k_bias = _channel_scaled_query(channel_query, ks + (t0 // K_TOKEN_GROUP) * K_STATS, HALF,
                                                       K_NIBBLES, K_SIGNED, K_OFFSETS)
                 k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
+            elif K_SCALES == STATS_NONE:
+                k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
             else:
-                k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS)
+                k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS, K_SCALES)
             k_offsets = k_scales  # unread without offsets
             if K_OFFSETS and K_TOKEN_GROUP == 0:
                 k_offsets = _load_scales(ks + K_GROUPS, tokens, valid, K_GROUPS, K_STATS)
-            v_scales = _load_scales(vs, tokens, valid, V_GROUPS, V_STATS)
+            if V_SCALES == STATS_NONE:
+                v_scales = tl.full([1, BLOCK], 1.0, tl.float32)
+            else:
+                v_scales = _load_scales(vs, tokens, valid, V_GROUPS, V_STATS, V_SCALES)
             v_offsets = v_scales
             if V_OFFSETS:
                 v_offsets = _load_scales(vs + V_GROUPS, tokens, valid, V_GROUPS, V_STATS)

@@ -11,7 +11,8 @@ rounding adds and subtracts 1.5 * 2^23, which rounds a float32 below 2^22 in mag
 torch.round does.
 
 The float formats' writes too (MX's element codes with an E8M0 scale per block of 32, FP8's with an fp32 scale per
-token), bit for bit kvq.quant.mx's and kvq.quant.fp8's arithmetic on CUDA: each static-cache step writes them, and in
+token or its layer's one scale, NVFP4's with an E4M3 scale per block of 16 under its layer's), bit for bit
+kvq.quant.mx's, kvq.quant.fp8's and kvq.quant.nvfp4's arithmetic on CUDA: each static-cache step writes them, and in
 torch each is a few dozen small kernels.
 """
 
@@ -19,15 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.kernels.triton_decode import launch
-from kvq.quant.layout import MX_SCHEMES, PackedLayout
+from kvq.kernels.triton_decode import float_bits_to_f16, launch
+from kvq.quant.layout import E4M3_STATS, MX_SCHEMES, NVFP4_SCHEME, PackedLayout
 from kvq.quant.mx import BLOCK as MX_BLOCK
+from kvq.quant.nvfp4 import BLOCK as NVFP4_BLOCK
+from kvq.quant.nvfp4 import SMALLEST_SCALE
 
 ROUND_TO_INTEGER = tl.constexpr(12582912.0)  # 1.5 * 2^23
 KERNEL_BITS = (2, 4, 8)  # widths whose codes fill whole bytes per channel block
 FLOAT_KERNEL_BITS = (4, 8)  # float formats whose codes fill whole bytes (FP6's span bytes)
 MAX_TILE = 4096  # tokens x channels per program: float32 values held in registers
 F32_MIN_NORMAL = tl.constexpr(torch.finfo(torch.float32).tiny)
+E4M3_SMALLEST = tl.constexpr(SMALLEST_SCALE)  # NVFP4's block scales' clamp
 
 
 @triton.jit
@@ -75,28 +79,43 @@ def _float_codes(v, BITS: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constex
 
 
 @triton.jit(do_not_specialize=["n"])
-def float_codes_kernel(rows_ptr, codes_ptr, scales_ptr, n, D: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-                       MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX_VALUE: tl.constexpr, EMAX: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """One program per ROWS rows (n, D) of any float dtype -> codes (n, D * BITS / 8) uint8 and scales: where BLOCK
-    > 0, MX's (kvq.quant.mx.block_codes: per block of BLOCK coordinates the E8M0 byte of floor(log2 amax) - EMAX,
-    clamped to [0, 255], and x divided by its value, floored at float32's least normal), (n, D / BLOCK) uint8;
-    else FP8's per-token scale (kvq.quant.fp8: amax times the float32 reciprocal of MAX_VALUE, as torch's CUDA
-    division by a number is, and x / scale where it is positive, else 0), (n, 1) float32."""
+def float_codes_kernel(rows_ptr, codes_ptr, scales_ptr, layer_scale_ptr, n, D: tl.constexpr, ROWS: tl.constexpr,
+                       BITS: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX_VALUE: tl.constexpr,
+                       EMAX: tl.constexpr, BLOCK: tl.constexpr, SCALING: tl.constexpr):
+    """One program per ROWS rows (n, D) of any float dtype -> codes (n, D * BITS / 8) uint8 and scales, by SCALING:
+    - "mx": MX's (kvq.quant.mx.block_codes: per block of BLOCK coordinates the E8M0 byte of floor(log2 amax) - EMAX,
+      clamped to [0, 255], and x divided by its value, floored at float32's least normal), (n, D / BLOCK) uint8;
+    - "token": FP8's per-token scale (kvq.quant.fp8: amax times the float32 reciprocal of MAX_VALUE, as torch's CUDA
+      division by a number is, and x / scale where it is positive, else 0), (n, 1) float32;
+    - "layer": FP8's layer scale s read from layer_scale_ptr, the same division, and no scales written;
+    - "nvfp4": NVFP4's (kvq.quant.nvfp4.block_codes): per block of BLOCK the E4M3 code of amax / MAX_VALUE / s
+      clamped to [2^-6, 448], and x times (1 / s) / that E4M3 value, (n, D / BLOCK) E4M3 bytes."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n
     x = tl.load(rows_ptr + rows[:, None].to(tl.int64) * D + tl.arange(0, D)[None, :], mask=ok[:, None],
                 other=0.0).to(tl.float32)
-    if BLOCK > 0:
-        BLOCKS: tl.constexpr = D // BLOCK
+    BLOCKS: tl.constexpr = D // BLOCK if BLOCK > 0 else 1
+    block_columns = rows[:, None].to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)[None, :]
+    if SCALING == "mx":
         amax = tl.max(tl.reshape(tl.abs(x), (ROWS, BLOCKS, BLOCK)), 2)
         exponent_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
         biased = tl.minimum(tl.maximum(exponent_field - EMAX, 0), 255)
         scale = tl.maximum((biased << 23).to(tl.float32, bitcast=True), F32_MIN_NORMAL)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCKS, BLOCK)), (ROWS, D))
-        v = tl.math.div_rn(x, scale)
-        tl.store(scales_ptr + rows[:, None].to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)[None, :],
-                 biased.to(tl.uint8), mask=ok[:, None])
+        v = tl.math.div_rn(x, _per_coordinate(scale, ROWS, BLOCKS, BLOCK))
+        tl.store(scales_ptr + block_columns, biased.to(tl.uint8), mask=ok[:, None])
+    elif SCALING == "nvfp4":
+        layer_scale = tl.full((ROWS, BLOCKS), tl.load(layer_scale_ptr), tl.float32)
+        amax = tl.max(tl.reshape(tl.abs(x), (ROWS, BLOCKS, BLOCK)), 2)
+        block_scale = tl.math.div_rn(amax * (1.0 / MAX_VALUE), layer_scale)
+        block_scale = tl.minimum(tl.maximum(block_scale, E4M3_SMALLEST), 448.0)
+        scale_codes = _float_codes(block_scale, 8, 3, 7, 448.0)  # E4M3: 3 mantissa bits, bias 7, largest 448
+        inverse = tl.math.div_rn(tl.full((ROWS, BLOCKS), 1.0, tl.float32), layer_scale)
+        factor = tl.math.div_rn(inverse, float_bits_to_f16(scale_codes, 8, 3).to(tl.float32))
+        v = x * _per_coordinate(factor, ROWS, BLOCKS, BLOCK)
+        tl.store(scales_ptr + block_columns, scale_codes.to(tl.uint8), mask=ok[:, None])
+    elif SCALING == "layer":
+        scale = tl.load(layer_scale_ptr)
+        v = tl.where(scale > 0, tl.math.div_rn(x, tl.full((ROWS, D), scale, tl.float32)), 0.0)
     else:
         scale = tl.max(tl.abs(x), 1) * (1.0 / MAX_VALUE)
         v = tl.where(scale[:, None] > 0, tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (ROWS, D))), 0.0)
@@ -108,6 +127,12 @@ def float_codes_kernel(rows_ptr, codes_ptr, scales_ptr, n, D: tl.constexpr, ROWS
         codes = even | (odd << 4)
     tl.store(codes_ptr + rows[:, None].to(tl.int64) * row_bytes + tl.arange(0, row_bytes)[None, :],
              codes.to(tl.uint8), mask=ok[:, None])
+
+
+@triton.jit
+def _per_coordinate(block_values, ROWS: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+    """(ROWS, BLOCKS) -> (ROWS, BLOCKS * BLOCK): each block's value at its every coordinate."""
+    return tl.reshape(tl.broadcast_to(block_values[:, :, None], (ROWS, BLOCKS, BLOCK)), (ROWS, BLOCKS * BLOCK))
 
 
 def unsupported_reason(layout: PackedLayout, lam: torch.Tensor | None) -> str | None:
@@ -128,24 +153,35 @@ def unsupported_reason(layout: PackedLayout, lam: torch.Tensor | None) -> str | 
     return None
 
 
-def quantize(rows: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, d) rows -> codes and stats in a layout unsupported_reason accepts."""
+def quantize(rows: torch.Tensor, layout: PackedLayout,
+             layer_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) rows -> codes and stats in a layout unsupported_reason accepts (a layer_scaled one's under
+    layer_scale)."""
     if layout.element is not None:
-        return quantize_float_codes(rows, layout)
+        return quantize_float_codes(rows, layout, layer_scale)
     return quantize_token_groups(rows, layout)
 
 
-def quantize_float_codes(rows: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, d) rows -> an FP8 or MX layout's codes (n, code_bytes) and scales (n, layout.stats)."""
+def quantize_float_codes(rows: torch.Tensor, layout: PackedLayout,
+                         layer_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) rows -> an FP8, MX or NVFP4 layout's codes (n, code_bytes) and scales (n, layout.stats)."""
     n, d = rows.shape
     element = layout.element
     codes = torch.empty(n, layout.code_bytes, dtype=torch.uint8, device=rows.device)
-    scales = torch.empty(n, layout.stats, dtype=layout.scale_dtype, device=rows.device)
+    scales = torch.empty(n, layout.stats, dtype=layout.stats_dtype, device=rows.device)
+    if layout.scheme in MX_SCHEMES:
+        scaling, block = "mx", MX_BLOCK
+    elif layout.scheme == NVFP4_SCHEME:
+        scaling, block = "nvfp4", NVFP4_BLOCK
+    else:
+        scaling, block = "layer" if layout.layer_scaled else "token", 0
+    stats = scales.view(torch.uint8) if scales.dtype == E4M3_STATS else scales  # E4M3 written as its bytes
     per_row = max(1, MAX_TILE // 2 // d)
     if n:
-        launch(float_codes_kernel, (-(-n // per_row),), (rows.contiguous(), codes, scales, n), D=d, ROWS=per_row,
-               BITS=element.bits, MANTISSA=element.mantissa_bits, BIAS=element.bias, MAX_VALUE=element.max_value,
-               EMAX=element.max_power_of_two, BLOCK=MX_BLOCK if layout.scheme in MX_SCHEMES else 0)
+        launch(float_codes_kernel, (-(-n // per_row),),
+               (rows.contiguous(), codes, stats, stats if layer_scale is None else layer_scale, n), D=d,
+               ROWS=per_row, BITS=element.bits, MANTISSA=element.mantissa_bits, BIAS=element.bias,
+               MAX_VALUE=element.max_value, EMAX=element.max_power_of_two, BLOCK=block, SCALING=scaling)
     return codes, scales
 
 

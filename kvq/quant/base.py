@@ -48,6 +48,11 @@ class Quantizer(ABC):
         in; None where there is none (packing_reason says why)."""
         return None
 
+    def calibrated_form(self, x: torch.Tensor) -> "PackedForm | None":
+        """packed_form() for a store whose first K/V is x: where the layout is layer_scaled, the quantizer calibrates
+        its layer scale on x (unless it has already, as its own first encode would) and the form holds it."""
+        return self.packed_form()
+
     def packing_reason(self) -> str | None:
         return f"{type(self).__name__} declares no packed layout"
 

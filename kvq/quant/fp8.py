@@ -13,10 +13,11 @@ first K/V a site sees: in hook-mode perplexity that call covers the whole scored
 `head` are calibrated on the text they score (the most favourable calibration there is); in cache mode it is
 the prompt's prefill.
 
-With per-token scales the codes are a kvq packed layout (`packed_form`, scheme "fp8_e4m3" / "fp8_e5m2"): indices
-into the format's 256 values with the fp32 scale per token, so the static cache holds them and the decode kernels read
-them. A calibrated scale is a state the first encode sets, which the static cache's writes do not carry: those
-scales run through the reference cache.
+The codes are a kvq packed layout (`packed_form`, scheme "fp8_e4m3" / "fp8_e5m2"): indices into the format's 256
+values, with the fp32 scale per token as the layout's stats, or, under a `unit` or `tensor` scale, no stats at all and
+the one scale as the layout's layer scale (what vLLM stores: the codes alone), so the static cache holds them and the
+decode kernels read them. A `head` scale, one per KV head, has no packed layout: the kernels fold a layer scale into
+the query and output maps, which all heads share.
 """
 
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class FP8(Quantizer):
         self._form: PackedForm | None = None
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The scale x is divided by (float32 x); a tensor or head scale is calibrated on the first x."""
         if self.scale == "unit":
             return torch.ones((), device=x.device)
         if self.scale == "token":
@@ -90,24 +92,40 @@ class FP8(Quantizer):
         return self.element.bits + (SCALE_BITS / d if self.scale == "token" else 0.0)
 
     def packing_reason(self) -> str | None:
-        if self.scale != "token":
-            return (f"fp8 with a {self.scale} scale runs through the reference cache: the static cache holds fp8 "
-                    "codes with a scale per token (scale: token)")
+        if self.scale == "head":
+            return ("fp8 with a scale per head runs through the reference cache: the kernels take one scale per layer "
+                    "(scale: tensor or unit) or one per token (scale: token)")
         return None
 
     def packed_form(self) -> PackedForm | None:
-        """The format's values indexed by code, one fp32 scale per token."""
+        """The format's values indexed by code, with one fp32 scale per token, or no stats and the layer's one
+        scale (None until calibrated)."""
         if self.packing_reason() is not None:
             return None
         if self._form is None:
-            layout = PackedLayout(self.d, self.element.bits, self.d, torch.float32, codebook=True,
-                                  scheme=f"fp8_{self.element.name}")
+            per_token = self.scale == "token"
+            layout = PackedLayout(self.d, self.element.bits, self.d, torch.float32 if per_token else None,
+                                  codebook=True, scheme=f"fp8_{self.element.name}", layer_scaled=not per_token)
             self._form = PackedForm.unrotated(layout, self.element.levels())
+        if self._form.layout.layer_scaled and self._form.layer_scale is None:
+            if self.scale == "unit":
+                self._form = self._form.scaled_by(torch.ones(()))
+            elif self.calibrated is not None:
+                self._form = self._form.scaled_by(self.calibrated)
         return self._form
 
+    def calibrated_form(self, x: torch.Tensor) -> PackedForm | None:
+        if self.scale == "tensor":
+            self._scale(x.float())
+        return self.packed_form()
 
-def _layout_codes(element: MiniFloat, y: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 rows (n, d) -> codes (n, d) and fp32 scales (n, 1): FP8.encode's arithmetic under per-token scales."""
+
+def _layout_codes(element: MiniFloat, y: torch.Tensor, layout: PackedLayout,
+                  layer_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 rows (n, d) -> codes (n, d) and fp32 scales (n, 1): FP8.encode's arithmetic under per-token scales;
+    under the layer's scale, the codes and no stats (n, 0)."""
+    if layout.layer_scaled:
+        return scaled_codes(y, layer_scale, element), y.new_empty(y.shape[0], 0)
     scale = token_scales(y, element)
     return scaled_codes(y, scale, element), scale
 
