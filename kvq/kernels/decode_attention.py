@@ -43,9 +43,9 @@ from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference
 from kvq.quant.layout import E4M3_STATS
 
 try:
-    from kvq.kernels import triton_decode
+    from kvq.kernels import triton_decode, triton_launch
 except ImportError:  # CPU installs: the reference path serves
-    triton_decode = None
+    triton_decode = triton_launch = None
 
 MAX_ROWS = 64  # query rows x scale groups per program beyond which the accumulators spill: reference path
 WIDE_HEAD = 256  # from this head_dim on, shallower pipelining keeps the K/V tiles inside shared memory
@@ -197,7 +197,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
                          num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts
         stand_in = torch.empty(1, device=query.device)
-        sizing = triton_decode.compiled_kernel(triton_decode.partial_kernel, _triton_partial_args(
+        sizing = triton_launch.compiled_kernel(triton_decode.partial_kernel, _triton_partial_args(
             query, stand_in, step, (stand_in, stand_in, stand_in), lengths_pointer, (0, 0, 0, 0, 0), scale), constants)
         resident = triton_resident_programs(sizing, query.device)
     packed_splits, per_split = split_plan(tokens, batch * kv_heads, resident, launch, query.device)
@@ -214,10 +214,10 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
             (batch * kv_heads, n_splits), [arguments], programmatic=pdl)
     else:
         columns = min(d, MAP_COLUMNS)
-        triton_decode.launch(triton_decode.map_query_kernel, (batch * q_heads, d // columns),
+        triton_launch.launch(triton_decode.map_query_kernel, (batch * q_heads, d // columns),
                              (query, step.query_map.float().contiguous(), mapped_query), D=d, COLS=columns, PDL=pdl,
                              launch_pdl=pdl)
-        triton_decode.launch(triton_decode.partial_kernel, (batch * kv_heads, n_splits), _triton_partial_args(
+        triton_launch.launch(triton_decode.partial_kernel, (batch * kv_heads, n_splits), _triton_partial_args(
             query, mapped_query, step, (partial, maxima, sums), lengths_pointer, counts, scale), **constants)
     if out is None:
         out = torch.empty(batch, q_heads, d, device=query.device, dtype=query.dtype)
@@ -226,7 +226,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
             batch * q_heads, [partial, maxima, sums, output_map, out, n_splits], programmatic=pdl)
     else:
         columns = min(d, MAP_COLUMNS)
-        triton_decode.launch(triton_decode.reduce_kernel, (batch * q_heads, d // columns),
+        triton_launch.launch(triton_decode.reduce_kernel, (batch * q_heads, d // columns),
                              (partial, maxima, sums, output_map, out, n_splits),
                              D=d, SPLITS=1 << (n_splits - 1).bit_length(), COLS=columns, PDL=pdl, launch_pdl=pdl)
     return out

@@ -1,9 +1,9 @@
-"""The Triton kernels of fused decode attention (kvq.kernels.decode_attention describes the algorithm) and a
-launcher that skips Triton's per-call argument binding.
+"""The Triton kernels of fused decode attention (kvq.kernels.decode_attention describes the algorithm; they are
+launched through kvq.kernels.triton_launch).
 
 partial_kernel covers every shape csrc/decode_attention.cu does not: codes of 2-8 bits, codebook indices
-(TurboQuant_mse's levels, FP8's and MX's element values), head sizes other than 128, more query heads per KV head,
-GPUs before sm_80. map_query_kernel maps the query into the codes' domain before it; reduce_kernel combines the
+(TurboQuant_mse's levels, FP8's, MX's and NVFP4's element values), head sizes other than 128, more query heads per KV
+head, GPUs before sm_80. map_query_kernel maps the query into the codes' domain before it; reduce_kernel combines the
 partials where the CUDA reduce does not serve (head_dim other than 128).
 """
 
@@ -469,46 +469,3 @@ def reduce_kernel(o_ptr, m_ptr, l_ptr, omap_ptr, out_ptr, n_splits, D: tl.conste
     window = tl.load(o_ptr + (bh * n_splits + n_splits - 1) * D + cols)
     out = (mapped + window * window_weight) / tl.sum(l_c * weight, 0)
     tl.store(out_ptr + bh * D + cols, out.to(out_ptr.dtype.element_ty))
-
-
-_compiled: dict[tuple, object] = {}
-
-
-def _argument_key(argument):
-    if isinstance(argument, tuple):  # an int in a tuple keys by what Triton could specialize it on
-        return tuple((a == 1, a % 16 == 0) if isinstance(a, int) else _argument_key(a) for a in argument)
-    if isinstance(argument, torch.Tensor):
-        return argument.dtype, argument.data_ptr() % 16 == 0
-    return type(argument)
-
-
-def compiled_kernel(kernel, args: tuple, constants: dict):
-    """The Triton build of kernel(*args, **constants), compiled and loaded on first use.
-
-    Triton's dispatch binds and specializes every argument again on each call, host time that decode
-    pays per layer per token. These kernels take no integer specialization (do_not_specialize), so what
-    selects a build is the constants and each tensor's dtype and 16-byte alignment, which is the key here.
-    """
-    device = next(t for t in _tensors(args)).device
-    key = (kernel, tuple(_argument_key(a) for a in args), tuple(constants.items()), device)
-    compiled = _compiled.get(key)
-    if compiled is None:
-        compiled = kernel.warmup(*args, grid=(1,), **constants)
-        compiled._init_handles()  # loads the binary, which gives n_regs (as Triton's softmax tutorial does)
-        _compiled[key] = compiled
-    return compiled
-
-
-def _tensors(args):
-    for argument in args:
-        if isinstance(argument, tuple):
-            yield from _tensors(argument)
-        elif isinstance(argument, torch.Tensor):
-            yield argument
-
-
-def launch(kernel, grid: tuple, args: tuple, build=None, **constants) -> None:
-    """kernel[grid](*args, **constants) through the build's own launcher (see compiled_kernel); `build`:
-    that build, where the caller has it already."""
-    params = [constants[name] for name in kernel.arg_names[len(args):]]
-    (build or compiled_kernel(kernel, args, constants))[(*grid, 1, 1)[:3]](*args, *params)
