@@ -18,7 +18,9 @@ from kvq.cache import DomainMaps
 from kvq.quant import QuantSpec
 
 T, HKV, HQ, D, LAYERS = 32768, 8, 32, 128, 32
-LAYOUTS = {"int4-srft-g32": QuantSpec("srft", 4, "per_group", 32), "kivi4": QuantSpec("kivi", 4, group_size=32),
+LAYOUTS = {"int4-srft-g32": QuantSpec("srft", 4, "per_group", 32),
+           "int4-asym-g32": QuantSpec("srft", 4, "per_group", 32, symmetric=False, scale_dtype="float16"),
+           "kivi4": QuantSpec("kivi", 4, group_size=32), "kivi2": QuantSpec("kivi", 2, group_size=32),
            "turbo4": QuantSpec("turbo", 4), "mxfp4": QuantSpec("mx"),
            "nvfp4": QuantSpec("nvfp4"), "fp8-token": QuantSpec("fp8", options={"scale": "token"}),
            "fp8-tensor": QuantSpec("fp8", options={"scale": "tensor"})}

@@ -46,14 +46,18 @@ def bench_decode(
     prompts: str = typer.Option("8192,32768,131072", help="prompt lengths"),
     batches: str = typer.Option("1,8", help="batch sizes; a row that does not fit says so"),
     caches: str = typer.Option("", help="comma-separated subset of: fp16-dynamic, fp16-static-compiled, kvq-int4, "
-                                        "kvq-int4-static-compiled, quanto-int4, hqq-int4, fp16-static-step, "
-                                        "kvq-int4-static-step, kvq-int4-fp-boundary-static-step, "
-                                        "kvq-k8v4-static-step, kvq-int4-asym-static-step, kvq-kivi4-static-step, "
-                                        "kvq-kivi2-static-step, kvq-turbo4-static-step, kvq-turbo3-static-step, "
-                                        "kvq-mxfp4-static-step, kvq-nvfp4-static-step, kvq-fp8-static-step, "
-                                        "kvq-fp8-tensor-static-step, "
-                                        "fp16-gqa-static-compiled, fp16-gqa-static-step "
-                                        "(default: all)"),
+                                        "quanto-int4, hqq-int4, fp16-static-step, kvq-int4-static-compiled, "
+                                        "kvq-int4-static-step, kvq-int4-fp-boundary-static-compiled, "
+                                        "kvq-int4-fp-boundary-static-step, kvq-k8v4-static-compiled, "
+                                        "kvq-k8v4-static-step, kvq-int4-asym-static-compiled, "
+                                        "kvq-int4-asym-static-step, kvq-kivi4-static-compiled, kvq-kivi4-static-step,"
+                                        " kvq-kivi2-static-compiled, kvq-kivi2-static-step, "
+                                        "kvq-turbo4-static-compiled, kvq-turbo4-static-step, "
+                                        "kvq-turbo3-static-compiled, kvq-turbo3-static-step, "
+                                        "kvq-mxfp4-static-compiled, kvq-mxfp4-static-step, kvq-nvfp4-static-compiled,"
+                                        " kvq-nvfp4-static-step, kvq-fp8-static-compiled, kvq-fp8-static-step, "
+                                        "kvq-fp8-tensor-static-compiled, kvq-fp8-tensor-static-step, "
+                                        "fp16-gqa-static-compiled, fp16-gqa-static-step (default: all)"),
     new_tokens: int = typer.Option(32),
     repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
     prefill_chunk: int = typer.Option(0, help="prefill every prompt in chunks of this many tokens "

@@ -109,41 +109,44 @@ def _fp16_static(model, batch: int, max_tokens: int) -> dict:
     return {"past_key_values": static_cache(model, None, batch, max_tokens)}
 
 
+# kvq's static caches, (name, label, precision, setup): each is a row in HF generate's loop (NAME-static-compiled)
+# and in kvq.generate's compiled step loop (NAME-static-step)
+KVQ_STATIC_LAYOUTS = (
+    ("kvq-int4", "kvq int4", "int4", _kvq_static()),
+    ("kvq-int4-fp-boundary", "kvq int4, first and last layers fp16", "int4+fp", _kvq_static(FP_BOUNDARY)),
+    ("kvq-k8v4", "kvq int8 K, int4 V", "k8v4", _kvq_static(K8_V4)),
+    ("kvq-int4-asym", "kvq asymmetric int4", "int4-asym", _kvq_static(ASYMMETRIC)),
+    # KIVI: keys per channel over 32-token groups, which the exact window must hold
+    ("kvq-kivi4", "kvq KIVI-4 g32, window 32", "kivi4", _kvq_static(quantizer=("kivi", 4, "per_token", 32), window=32)),
+    ("kvq-kivi2", "kvq KIVI-2 g32, window 32", "kivi2", _kvq_static(quantizer=("kivi", 2, "per_token", 32), window=32)),
+    # TurboQuant_mse: SRFT, then Lloyd-Max level indices and an fp16 norm per token
+    ("kvq-turbo4", "kvq TurboQuant_mse-4", "turbo4", _kvq_static(quantizer=("turbo", 4))),
+    ("kvq-turbo3", "kvq TurboQuant_mse-3", "turbo3", _kvq_static(quantizer=("turbo", 3))),
+    # Formats engines ship: the OCP MX spec's fp4 (an E8M0 scale per 32), NVIDIA's NVFP4 (an E4M3 scale per 16 and
+    # one per layer) and vLLM's fp8 e4m3, with per-token scales or, as vLLM runs it, one calibrated scale per layer
+    ("kvq-mxfp4", "kvq MXFP4 (e2m1, E8M0 per 32)", "mxfp4", _kvq_static(quantizer=("mx",))),
+    ("kvq-nvfp4", "kvq NVFP4 (e2m1, E4M3 per 16, fp32 per layer)", "nvfp4", _kvq_static(quantizer=("nvfp4",))),
+    ("kvq-fp8", "kvq FP8 e4m3, fp32 scale per token", "fp8",
+     _kvq_static(quantizer=("fp8",), options={"scale": "token"})),
+    ("kvq-fp8-tensor", "kvq FP8 e4m3, one calibrated scale per layer", "fp8",
+     _kvq_static(quantizer=("fp8",), options={"scale": "tensor"})),
+)
+
+
+def _kvq_static_rows() -> tuple[DecodeCache, ...]:
+    return tuple(row for name, label, precision, setup in KVQ_STATIC_LAYOUTS for row in (
+        DecodeCache(f"{name}-static-compiled", f"{label}, static, compiled", precision, setup),
+        DecodeCache(f"{name}-static-step", f"{label}, static, compiled step loop", precision, setup, loop="step")))
+
+
 DECODE_CACHES = (  # the first is the paired ratios' baseline
     DecodeCache("fp16-dynamic", "fp16 DynamicCache eager", "fp16", _fp16_dynamic),
     DecodeCache("fp16-static-compiled", "fp16 StaticCache compiled", "fp16", _fp16_static_compiled),
     DecodeCache("kvq-int4", "kvq fused int4 g32 eager", "int4", _kvq_int4),
-    DecodeCache("kvq-int4-static-compiled", "kvq int4 static compiled", "int4", _kvq_static()),
     DecodeCache("quanto-int4", "transformers QuantizedCache quanto int4", "int4", _transformers_quantized("quanto")),
     DecodeCache("hqq-int4", "transformers QuantizedCache hqq int4", "int4", _transformers_quantized("hqq")),
     DecodeCache("fp16-static-step", "fp16 StaticCache, compiled step loop", "fp16", _fp16_static, loop="step"),
-    DecodeCache("kvq-int4-static-step", "kvq int4 static, compiled step loop", "int4", _kvq_static(), loop="step"),
-    DecodeCache("kvq-int4-fp-boundary-static-step", "kvq int4, first and last layers fp16, static, compiled step "
-                "loop", "int4+fp", _kvq_static(FP_BOUNDARY), loop="step"),
-    DecodeCache("kvq-k8v4-static-step", "kvq int8 K, int4 V, static, compiled step loop", "k8v4", _kvq_static(K8_V4),
-                loop="step"),
-    DecodeCache("kvq-int4-asym-static-step", "kvq asymmetric int4, static, compiled step loop", "int4-asym",
-                _kvq_static(ASYMMETRIC), loop="step"),
-    # KIVI-4: keys per channel over 32-token groups, which the exact window must hold
-    DecodeCache("kvq-kivi4-static-step", "kvq KIVI-4 g32, window 32, static, compiled step loop", "kivi4",
-                _kvq_static(quantizer=("kivi", 4, "per_token", 32), window=32), loop="step"),
-    DecodeCache("kvq-kivi2-static-step", "kvq KIVI-2 g32, window 32, static, compiled step loop", "kivi2",
-                _kvq_static(quantizer=("kivi", 2, "per_token", 32), window=32), loop="step"),
-    # TurboQuant_mse: SRFT, then Lloyd-Max level indices and an fp16 norm per token
-    DecodeCache("kvq-turbo4-static-step", "kvq TurboQuant_mse-4, static, compiled step loop", "turbo4",
-                _kvq_static(quantizer=("turbo", 4)), loop="step"),
-    DecodeCache("kvq-turbo3-static-step", "kvq TurboQuant_mse-3, static, compiled step loop", "turbo3",
-                _kvq_static(quantizer=("turbo", 3)), loop="step"),
-    # Formats engines ship: the OCP MX spec's fp4 (an E8M0 scale per 32), NVIDIA's NVFP4 (an E4M3 scale per 16 and
-    # one per layer) and vLLM's fp8 e4m3, with per-token scales or, as vLLM runs it, one calibrated scale per layer
-    DecodeCache("kvq-mxfp4-static-step", "kvq MXFP4 (e2m1, E8M0 per 32), static, compiled step loop", "mxfp4",
-                _kvq_static(quantizer=("mx",)), loop="step"),
-    DecodeCache("kvq-nvfp4-static-step", "kvq NVFP4 (e2m1, E4M3 per 16, fp32 per layer), static, compiled step "
-                "loop", "nvfp4", _kvq_static(quantizer=("nvfp4",)), loop="step"),
-    DecodeCache("kvq-fp8-static-step", "kvq FP8 e4m3, fp32 scale per token, static, compiled step loop", "fp8",
-                _kvq_static(quantizer=("fp8",), options={"scale": "token"}), loop="step"),
-    DecodeCache("kvq-fp8-tensor-static-step", "kvq FP8 e4m3, one calibrated scale per layer, static, compiled step "
-                "loop", "fp8", _kvq_static(quantizer=("fp8",), options={"scale": "tensor"}), loop="step"),
+    *_kvq_static_rows(),
     # The fair fp16 rows: SDPA reads each K/V head once (transformers' sdpa repeats it per query head under the
     # static cache's mask, see kvq.gqa_attention).
     DecodeCache("fp16-gqa-static-compiled", "fp16 StaticCache compiled, SDPA enable_gqa", "fp16",

@@ -69,10 +69,11 @@ def _stats_kind(packed: PackedKV) -> int:
     return triton_decode.STATS_E4M3.value if packed.scales.dtype == E4M3_STATS else triton_decode.STATS_STORED.value
 
 
-def _query_groups(keys) -> int:
-    """Row blocks of the query in the Triton partial: one per key scale group, one where the keys' stats are per
-    channel over tokens (each tile folds them into the query)."""
-    return 1 if keys.token_group > 1 else keys.groups
+def _row_blocks(packed) -> int:
+    """Row blocks of the query (keys) or of the accumulators (values) in the Triton partial: one per scale group; one
+    where the stats are per channel over tokens or NVFP4's E4M3 block scales, with which each tile decodes its codes
+    in registers."""
+    return 1 if packed.token_group > 1 or packed.stats_dtype == E4M3_STATS else packed.groups
 
 
 def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
@@ -105,7 +106,7 @@ def layout_reason(keys, values, gqa: int) -> str | None:
     group = keys.token_group
     if group > 1 and (group & (group - 1) or group < triton_decode.MIN_DOT):
         return f"per-channel key stats need a power-of-two token group >= {triton_decode.MIN_DOT}, got {group}"
-    groups = (_query_groups(keys), values.groups)
+    groups = (_row_blocks(keys), _row_blocks(values))
     if _padded_heads(gqa, *groups) * max(groups) > MAX_ROWS:
         return "query heads x scale groups per KV head exceed what one program holds"
     return None
@@ -187,12 +188,11 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     else:
         if keys.token_group > 1:  # a tile within one token group
             launch = dataclasses.replace(launch, block=min(launch.block, keys.token_group))
-        key_groups = _query_groups(keys)
-        shape = (gqa, _padded_heads(gqa, key_groups, values.groups), d // 2, keys.bits, values.bits, key_groups,
-                 values.groups, launch.block, int(not keys.symmetric), int(not values.symmetric),
-                 keys.token_group if keys.token_group > 1 else 0, int(keys.codebook is not None),
-                 int(values.codebook is not None), _float_mantissa(keys), _float_mantissa(values),
-                 _stats_kind(keys), _stats_kind(values))
+        groups = (_row_blocks(keys), _row_blocks(values))
+        shape = (gqa, _padded_heads(gqa, *groups), d // 2, keys.bits, values.bits, *groups, launch.block,
+                 int(not keys.symmetric), int(not values.symmetric), keys.token_group if keys.token_group > 1 else 0,
+                 int(keys.codebook is not None), int(values.codebook is not None), _float_mantissa(keys),
+                 _float_mantissa(values), _stats_kind(keys), _stats_kind(values))
         constants = dict(SHAPE=shape, DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl,
                          num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts

@@ -57,6 +57,10 @@ class PackedKV:
         return per_token_stats(self.scales, self.token_group, self.codes.shape[-2])
 
     @property
+    def stats_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
     def groups(self) -> int:
         """Scale groups per row (one where there are no stats)."""
         stats = self.scales.shape[-1]

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq.quant.nvfp4 import BLOCK as NVFP4_BLOCK
+
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
@@ -63,6 +65,7 @@ _SIGNED_EXACT = _nibbles_to_f16(1032, 1152, exact=True)
 _UNSIGNED_BIASED = _nibbles_to_f16(1024, 1024, exact=False)
 _UNSIGNED_EXACT = _nibbles_to_f16(1024, 1024, exact=True)
 HIGH_STEP = tl.constexpr(16.0)
+E4M3_BLOCK = tl.constexpr(NVFP4_BLOCK)  # coordinates per E4M3 scale (NVFP4's block)
 WINDOW_BLOCK = tl.constexpr(MIN_DOT)  # residual windows are ~16 tokens
 # How a layout's stats are held (the partial's K_SCALES / V_SCALES): none (codes scaled by their layer alone, which
 # the maps carry), as their dtype reads (float32, fp16, E8M0 bytes), or E4M3 bytes (NVFP4's block scales)
@@ -71,15 +74,15 @@ STATS_STORED = tl.constexpr(1)
 STATS_E4M3 = tl.constexpr(2)
 
 @triton.jit
-def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, VALUES: tl.constexpr,
+def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr,
                 SIGNED: tl.constexpr, codebook_ptr, CODEBOOK: tl.constexpr, FLOAT_MANTISSA: tl.constexpr):
     """Even and odd coordinates of a (BLOCK, d) tile of codes as fp16 (codes_ptr: this head's rows of
-    HALF * BITS // 4 bytes): integers, two's complement where SIGNED, else unsigned, int4 keys biased
+    HALF * BITS // 4 bytes): integers, two's complement where SIGNED, else unsigned, int4 ones biased unless EXACT
     (_nibbles_to_f16); or, where CODEBOOK, the float32 levels at codebook_ptr that the codes index, computed from
     the codes' bits where they are a float format's with FLOAT_MANTISSA >= 0 mantissa bits (float_bits_to_f16).
-    For int4 values the conversion is marked impure, which pins it where it is written: Triton otherwise moves the
-    tile's layout change ahead of it, to shift bytes rather than halves, and as V's products run over tokens that
-    gathers the bytes one at a time from shared memory."""
+    An exact int4 conversion (values; keys decoded in registers) is marked impure, which pins it where it is written:
+    Triton otherwise moves the tile's layout change ahead of it, to shift bytes rather than halves, and as V's
+    products run over tokens that gathers the bytes one at a time from shared memory."""
     if CODEBOOK:
         even, odd = _load_indices(codes_ptr, tokens, valid, BITS, HALF)
         if FLOAT_MANTISSA >= 0:
@@ -89,8 +92,8 @@ def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr
         byte = tl.load(codes_ptr + tokens[:, None] * HALF + tl.arange(0, HALF)[None, :],
                        mask=valid[:, None], other=0)
         if SIGNED:
-            return _nibbles(byte, _SIGNED_EXACT if VALUES else _SIGNED_BIASED, VALUES)
-        return _nibbles(byte, _UNSIGNED_EXACT if VALUES else _UNSIGNED_BIASED, VALUES)
+            return _nibbles(byte, _SIGNED_EXACT if EXACT else _SIGNED_BIASED, EXACT)
+        return _nibbles(byte, _UNSIGNED_EXACT if EXACT else _UNSIGNED_BIASED, EXACT)
     even, odd = _load_indices(codes_ptr, tokens, valid, BITS, HALF)
     if SIGNED:  # two's complement of BITS bits
         even = even - ((even >> (BITS - 1)) << BITS)
@@ -238,34 +241,37 @@ def _query_sums(query, NIBBLES: tl.constexpr):
 
 
 @triton.jit
-def _channel_query(ptr, row_offset, row_ok, scale, HALF: tl.constexpr):
-    """(GQA_P, HALF) even and odd query coordinates times scale, float32: the query that per-channel key scales
-    multiply (_channel_scaled_query)."""
+def _channel_dequantized(codes, stats_ptr, HALF: tl.constexpr, OFFSETS: tl.constexpr):
+    """Keys with a scale s and an offset z per channel over a token group (KIVI's): the (even, odd) tiles of c * s + z
+    in fp16, one rounding each (codes read exact). Decoded in registers, the tile meets the query as it is; folding
+    s into the query instead would re-scale and re-lay out the query, and sum its biases, at every tile. stats_ptr:
+    the group's row, scales then offsets."""
+    c_even, c_odd = codes
     pairs = tl.arange(0, HALF)
-    at = ptr + row_offset[:, None] + 2 * pairs[None, :]
-    even = tl.load(at, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
-    odd = tl.load(at + 1, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
-    return even, odd
+    s_even = tl.load(stats_ptr + 2 * pairs).to(tl.float16)[None, :]
+    s_odd = tl.load(stats_ptr + 2 * pairs + 1).to(tl.float16)[None, :]
+    if OFFSETS:
+        z_even = tl.load(stats_ptr + 2 * HALF + 2 * pairs).to(tl.float16)[None, :]
+        z_odd = tl.load(stats_ptr + 2 * HALF + 2 * pairs + 1).to(tl.float16)[None, :]
+        return (tl.fma(c_even, tl.broadcast_to(s_even, c_even.shape), tl.broadcast_to(z_even, c_even.shape)),
+                tl.fma(c_odd, tl.broadcast_to(s_odd, c_odd.shape), tl.broadcast_to(z_odd, c_odd.shape)))
+    return c_even * s_even, c_odd * s_odd
 
 @triton.jit
-def _channel_scaled_query(query, stats_ptr, HALF: tl.constexpr, NIBBLES: tl.constexpr, SIGNED: tl.constexpr,
-                          OFFSETS: tl.constexpr):
-    """Keys with a scale s and an offset z per channel over a token group (KIVI's), decoding c * s + z: the
-    group's query q * s in fp16 (its odd half over 16 for int4, as _grouped_query's) and each row's bias, the
-    int4 codes' biases (_query_bias) less q . z, so that q' . codes - bias = q . k. stats_ptr: the group's
-    row, scales then offsets."""
-    q_even, q_odd = query
-    pairs = tl.arange(0, HALF)
-    odd_step: tl.constexpr = 1.0 / HIGH_STEP if NIBBLES else 1.0
-    s_even = tl.load(stats_ptr + 2 * pairs).to(tl.float32)
-    s_odd = tl.load(stats_ptr + 2 * pairs + 1).to(tl.float32) * odd_step
-    scaled = ((q_even * s_even[None, :]).to(tl.float16), (q_odd * s_odd[None, :]).to(tl.float16))
-    bias = _query_bias(scaled, NIBBLES, SIGNED)
-    if OFFSETS:
-        z_even = tl.load(stats_ptr + 2 * HALF + 2 * pairs).to(tl.float32)
-        z_odd = tl.load(stats_ptr + 2 * HALF + 2 * pairs + 1).to(tl.float32)
-        bias -= tl.sum(q_even * z_even[None, :], 1) + tl.sum(q_odd * z_odd[None, :], 1)
-    return scaled, bias
+def _e4m3_block_scaled(codes, scales_ptr, tokens, valid, STATS: tl.constexpr):
+    """NVFP4's (even, odd) E2M1 values times their block's E4M3 scale (scales_ptr: this head's rows of STATS bytes),
+    in fp16 registers, exactly: the product has at most 2 + 4 significant bits and lies between 2^-10 and 6 x 448.
+    The tile then takes one row block of the query and accumulators instead of one per block of 16 coordinates."""
+    c_even, c_odd = codes
+    BLOCK: tl.constexpr = c_even.shape[0]
+    HALF: tl.constexpr = c_even.shape[1]
+    blocks = tl.arange(0, STATS)
+    scale = tl.load(scales_ptr + tokens[:, None] * STATS + blocks[None, :], mask=valid[:, None], other=0)
+    scale = float_bits_to_f16(scale.to(tl.int32), 8, 3)
+    PAIRS: tl.constexpr = HALF // STATS  # coordinate pairs per block
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK, STATS, PAIRS)), (BLOCK, HALF))
+    return c_even * scale, c_odd * scale
+
 
 @triton.jit
 def _own_columns(acc, GQA_P: tl.constexpr):
@@ -305,7 +311,7 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     V_CODEBOOK, which are a float format's bits where its *_FLOAT_MANTISSA >= 0, or with no stats at all (unit
     scales: STATS_NONE); where
     K_TOKEN_GROUP > 0, keys with stats per channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one
-    stats row per token group, which each tile folds into the query (_channel_scaled_query).
+    stats row per token group, with which each tile decodes its keys in registers (_channel_dequantized).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
     whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
     counts come from lengths_ptr (see device_lengths) instead of counts."""
@@ -326,9 +332,12 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     V_FLOAT_MANTISSA: tl.constexpr = SHAPE[14]
     K_SCALES: tl.constexpr = SHAPE[15]
     V_SCALES: tl.constexpr = SHAPE[16]
-    K_NIBBLES: tl.constexpr = K_BITS == 4 and not K_CODEBOOK
-    K_STATS: tl.constexpr = (2 * HALF if K_TOKEN_GROUP > 0 else K_GROUPS) * (1 + K_OFFSETS)
-    V_STATS: tl.constexpr = V_GROUPS * (1 + V_OFFSETS)
+    K_NIBBLES: tl.constexpr = K_BITS == 4 and not K_CODEBOOK and K_TOKEN_GROUP == 0  # read biased
+    # stats per row: a token group's per channel; NVFP4's E4M3 block scales (folded into the codes: one row block);
+    # a scale (and offset) per row block
+    K_STATS: tl.constexpr = (2 * HALF * (1 + K_OFFSETS) if K_TOKEN_GROUP > 0 else 2 * HALF // E4M3_BLOCK
+                             if K_SCALES == STATS_E4M3 else K_GROUPS * (1 + K_OFFSETS))
+    V_STATS: tl.constexpr = 2 * HALF // E4M3_BLOCK if V_SCALES == STATS_E4M3 else V_GROUPS * (1 + V_OFFSETS)
     K_SIGNED: tl.constexpr = 1 - K_OFFSETS
     V_SIGNED: tl.constexpr = 1 - V_OFFSETS
     q_ptr, qmap_ptr = queries
@@ -353,16 +362,10 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     acc_offset = tl.zeros([V_GROUPS * GQA_P], tl.float32)
     row = pid_bh.to(tl.int64) * capacity
     if split < n_splits - 1:
-        if K_TOKEN_GROUP > 0:
-            channel_query = _channel_query(qmap_ptr, q_offset, row_ok, scale, HALF)
-            query = (channel_query[0].to(tl.float16), channel_query[1].to(tl.float16))  # replaced per tile
-            k_bias = tl.zeros([GQA_P], tl.float32)
-            ks = keys[1] + (row // K_TOKEN_GROUP) * K_STATS
-        else:
-            query = _grouped_query(qmap_ptr, q_offset, row_ok,
-                                   (scale, scale / HIGH_STEP if K_NIBBLES else scale), HALF, K_GROUPS, GQA_P)
-            k_bias = _query_bias(query, K_NIBBLES, K_SIGNED)
-            ks = keys[1] + row * K_STATS
+        query = _grouped_query(qmap_ptr, q_offset, row_ok, (scale, scale / HIGH_STEP if K_NIBBLES else scale), HALF,
+                               K_GROUPS, GQA_P)
+        k_bias = _query_bias(query, K_NIBBLES, K_SIGNED)
+        ks = keys[1] + (row // K_TOKEN_GROUP if K_TOKEN_GROUP > 0 else row) * K_STATS
         q_sums = _query_sums(query, K_NIBBLES)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_packed)
@@ -372,9 +375,13 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
         for t0 in range(start, end, BLOCK):
             tokens = t0 + tl.arange(0, BLOCK)
             valid = tokens < end
+            k_codes = _load_codes(kc, tokens, valid, K_BITS, HALF, not K_NIBBLES, K_SIGNED, keys[2], K_CODEBOOK,
+                                  K_FLOAT_MANTISSA)
             if K_TOKEN_GROUP > 0:
-                query, k_bias = _channel_scaled_query(channel_query, ks + (t0 // K_TOKEN_GROUP) * K_STATS, HALF,
-                                                      K_NIBBLES, K_SIGNED, K_OFFSETS)
+                k_codes = _channel_dequantized(k_codes, ks + (t0 // K_TOKEN_GROUP) * K_STATS, HALF, K_OFFSETS)
+                k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
+            elif K_SCALES == STATS_E4M3:
+                k_codes = _e4m3_block_scaled(k_codes, ks, tokens, valid, K_STATS)
                 k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
             elif K_SCALES == STATS_NONE:
                 k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
@@ -383,7 +390,12 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             k_offsets = k_scales  # unread without offsets
             if K_OFFSETS and K_TOKEN_GROUP == 0:
                 k_offsets = _load_scales(ks + K_GROUPS, tokens, valid, K_GROUPS, K_STATS)
-            if V_SCALES == STATS_NONE:
+            v_codes = _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, values[2], V_CODEBOOK,
+                                  V_FLOAT_MANTISSA)
+            if V_SCALES == STATS_E4M3:
+                v_codes = _e4m3_block_scaled(v_codes, vs, tokens, valid, V_STATS)
+                v_scales = tl.full([1, BLOCK], 1.0, tl.float32)
+            elif V_SCALES == STATS_NONE:
                 v_scales = tl.full([1, BLOCK], 1.0, tl.float32)
             else:
                 v_scales = _load_scales(vs, tokens, valid, V_GROUPS, V_STATS, V_SCALES)
@@ -391,12 +403,8 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             if V_OFFSETS:
                 v_offsets = _load_scales(vs + V_GROUPS, tokens, valid, V_GROUPS, V_STATS)
             m_i, l_i, acc_even, acc_odd, acc_offset = _online_softmax_step(
-                query, k_bias,
-                _load_codes(kc, tokens, valid, K_BITS, HALF, False, K_SIGNED, keys[2], K_CODEBOOK, K_FLOAT_MANTISSA),
-                (k_scales, k_offsets, q_sums),
-                _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, values[2], V_CODEBOOK, V_FLOAT_MANTISSA),
-                (v_scales, v_offsets), valid, (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK,
-                K_OFFSETS and K_TOKEN_GROUP == 0, V_OFFSETS)
+                query, k_bias, k_codes, (k_scales, k_offsets, q_sums), v_codes, (v_scales, v_offsets), valid,
+                (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK, K_OFFSETS and K_TOKEN_GROUP == 0, V_OFFSETS)
     else:
         query = _grouped_query(q_ptr, q_offset, row_ok, (scale, scale), HALF, K_GROUPS, GQA_P)
         window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)
