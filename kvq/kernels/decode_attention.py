@@ -66,7 +66,7 @@ def _stats_kind(packed: PackedKV) -> int:
     """The partial's K_SCALES / V_SCALES: how the stats are held (triton_decode.STATS_*)."""
     if not packed.scales.shape[-1]:
         return triton_decode.STATS_NONE.value
-    return triton_decode.STATS_E4M3.value if packed.scales.dtype == E4M3_STATS else triton_decode.STATS_STORED.value
+    return triton_decode.STATS_E4M3.value if packed.stats_dtype == E4M3_STATS else triton_decode.STATS_STORED.value
 
 
 def _row_blocks(packed) -> int:

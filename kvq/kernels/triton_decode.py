@@ -150,15 +150,12 @@ def _nibbles(byte, CONVERSION: tl.constexpr, PINNED: tl.constexpr):
                                      is_pure=not PINNED, pack=4)
 
 @triton.jit
-def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.constexpr,
-                 KIND: tl.constexpr = STATS_STORED):
+def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.constexpr):
     """(GROUPS, BLOCK) float32 scales of a tile (STATS per token): one row per scale group. At scales_ptr + GROUPS:
-    the offsets of an asymmetric layout. KIND (STATS_*): as stored (float32, fp16, or E8M0 bytes, a byte b being
-    2^(b - 127), float32's exponent field), or E4M3 bytes, their values computed from their bits."""
+    the offsets of an asymmetric layout. As stored: float32, fp16, or E8M0 bytes, a byte b being 2^(b - 127),
+    float32's exponent field (E4M3 bytes scale their codes in registers: _e4m3_block_scaled)."""
     groups = tl.arange(0, GROUPS)
     scales = tl.load(scales_ptr + tokens[None, :] * STATS + groups[:, None], mask=valid[None, :], other=0)
-    if KIND == STATS_E4M3:
-        return float_bits_to_f16(scales.to(tl.int32), 8, 3).to(tl.float32)
     if scales_ptr.dtype.element_ty == tl.uint8:
         return (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     return scales.to(tl.float32)
@@ -377,28 +374,23 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             valid = tokens < end
             k_codes = _load_codes(kc, tokens, valid, K_BITS, HALF, not K_NIBBLES, K_SIGNED, keys[2], K_CODEBOOK,
                                   K_FLOAT_MANTISSA)
+            k_scales = tl.full([1, BLOCK], 1.0, tl.float32)  # where the codes take their scales, or have none
             if K_TOKEN_GROUP > 0:
                 k_codes = _channel_dequantized(k_codes, ks + (t0 // K_TOKEN_GROUP) * K_STATS, HALF, K_OFFSETS)
-                k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
             elif K_SCALES == STATS_E4M3:
                 k_codes = _e4m3_block_scaled(k_codes, ks, tokens, valid, K_STATS)
-                k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
-            elif K_SCALES == STATS_NONE:
-                k_scales = tl.full([1, BLOCK], 1.0, tl.float32)
-            else:
-                k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS, K_SCALES)
+            elif K_SCALES == STATS_STORED:
+                k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS)
             k_offsets = k_scales  # unread without offsets
             if K_OFFSETS and K_TOKEN_GROUP == 0:
                 k_offsets = _load_scales(ks + K_GROUPS, tokens, valid, K_GROUPS, K_STATS)
             v_codes = _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, values[2], V_CODEBOOK,
                                   V_FLOAT_MANTISSA)
+            v_scales = tl.full([1, BLOCK], 1.0, tl.float32)
             if V_SCALES == STATS_E4M3:
                 v_codes = _e4m3_block_scaled(v_codes, vs, tokens, valid, V_STATS)
-                v_scales = tl.full([1, BLOCK], 1.0, tl.float32)
-            elif V_SCALES == STATS_NONE:
-                v_scales = tl.full([1, BLOCK], 1.0, tl.float32)
-            else:
-                v_scales = _load_scales(vs, tokens, valid, V_GROUPS, V_STATS, V_SCALES)
+            elif V_SCALES == STATS_STORED:
+                v_scales = _load_scales(vs, tokens, valid, V_GROUPS, V_STATS)
             v_offsets = v_scales
             if V_OFFSETS:
                 v_offsets = _load_scales(vs + V_GROUPS, tokens, valid, V_GROUPS, V_STATS)
