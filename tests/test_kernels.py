@@ -634,7 +634,7 @@ def test_decode_attention_with_per_channel_keys_equals_dequantize_then_sdpa(batc
                                                                             window, key_bits, value_bits,
                                                                             token_group, group, dtype):
     """KIVI's layouts: keys with a scale and an offset per channel over `token_group` tokens, values with offsets
-    per token group of channels, fp16 stats; the Triton partial folds each token group's scales into the query."""
+    per token group of channels, fp16 stats; the Triton partial decodes both in registers."""
     _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, (key_bits, False),
                             (value_bits, False), group, dtype, torch.float16, token_group)
 

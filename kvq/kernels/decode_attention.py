@@ -4,11 +4,14 @@ Open-TQ-Metal Alg. 1 with FlashDecoding's split-K (Sec. 3.2, Eq. 5): each progra
 codes and their scales directly, turns the codes into fp16 integers in registers (a magic-number
 conversion whose key biases the query takes out), keeps an online softmax over its slice of the sequence
 and writes a partial (o_c, m_c, l_c); a reduce pass combines the partials. One program serves all
-query heads of a KV head (GQA), so every KV byte is read once. Scales never multiply the codes: the
+query heads of a KV head (GQA), so every KV byte is read once. Scales mostly stay out of the products: the
 query's rows are laid out once per scale group, so each group's share of q . k meets its scale in
 float32 after the tensor-core product, and the probabilities carry the V scales into the second product.
 An asymmetric layout's unsigned codes decode as c * s + z: its offsets add z times the group's query sum to a
-key's score, and the probabilities' sum against z to the values (the Triton partial only). Codebook codes
+key's score, and the probabilities' sum against z to the values (the Triton partial only). Where a row block per
+scale group would cost more than the arithmetic (KIVI's per-channel keys, NVFP4's blocks of 16, value groups behind
+keys of one row block: _row_blocks), the Triton partial instead decodes the tile in registers, one fp16 FMA per
+coordinate. Codebook codes
 (TurboQuant_mse's, and the float formats': FP8's, MX's and NVFP4's element values) become their levels in registers (a
 lookup in the small float32 table; for a float format, arithmetic on the code's bits) and their scales (TurboQuant's
 per-token norm, FP8's per-token scale, MX's E8M0 byte per block read as a power of two, NVFP4's E4M3 byte per block)
@@ -69,11 +72,23 @@ def _stats_kind(packed: PackedKV) -> int:
     return triton_decode.STATS_E4M3.value if packed.stats_dtype == E4M3_STATS else triton_decode.STATS_STORED.value
 
 
-def _row_blocks(packed) -> int:
-    """Row blocks of the query (keys) or of the accumulators (values) in the Triton partial: one per scale group; one
-    where the stats are per channel over tokens or NVFP4's E4M3 block scales, with which each tile decodes its codes
-    in registers."""
-    return 1 if packed.token_group > 1 or packed.stats_dtype == E4M3_STATS else packed.groups
+def _row_blocks(keys, values) -> tuple[int, int]:
+    """Row blocks of the query (keys) and of the accumulators (values) in the Triton partial: one per scale group,
+    or one where each tile decodes its codes in registers. Keys are so decoded where their stats are per channel
+    over tokens or NVFP4's E4M3 block scales; values where they are E4M3 ones too, or where the keys take one row
+    block: the query's rows are then padded to MIN_DOT, and a row block per value group would repeat that padding."""
+    key_blocks = 1 if keys.token_group > 1 or keys.stats_dtype == E4M3_STATS else keys.groups
+    value_blocks = 1 if key_blocks == 1 or values.stats_dtype == E4M3_STATS else values.groups
+    return key_blocks, value_blocks
+
+
+def partial_shape(gqa: int, keys, values, block: int) -> tuple[int, ...]:
+    """The Triton partial's SHAPE for K and V stored as these layouts (PackedKV) and tiles of `block` tokens."""
+    rows = _row_blocks(keys, values)
+    return (gqa, _padded_heads(gqa, *rows), keys.head_dim // 2, keys.bits, values.bits, keys.groups, values.groups,
+            block, int(not keys.symmetric), int(not values.symmetric), keys.token_group if keys.token_group > 1 else 0,
+            int(keys.codebook is not None), int(values.codebook is not None), _float_mantissa(keys),
+            _float_mantissa(values), _stats_kind(keys), _stats_kind(values), *rows)
 
 
 def unsupported_reason(query: torch.Tensor, step: DecodeStep) -> str | None:
@@ -106,8 +121,8 @@ def layout_reason(keys, values, gqa: int) -> str | None:
     group = keys.token_group
     if group > 1 and (group & (group - 1) or group < triton_decode.MIN_DOT):
         return f"per-channel key stats need a power-of-two token group >= {triton_decode.MIN_DOT}, got {group}"
-    groups = (_row_blocks(keys), _row_blocks(values))
-    if _padded_heads(gqa, *groups) * max(groups) > MAX_ROWS:
+    rows = _row_blocks(keys, values)
+    if _padded_heads(gqa, *rows) * max(rows) > MAX_ROWS:
         return "query heads x scale groups per KV head exceed what one program holds"
     return None
 
@@ -188,13 +203,9 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     else:
         if keys.token_group > 1:  # a tile within one token group
             launch = dataclasses.replace(launch, block=min(launch.block, keys.token_group))
-        groups = (_row_blocks(keys), _row_blocks(values))
-        shape = (gqa, _padded_heads(gqa, *groups), d // 2, keys.bits, values.bits, *groups, launch.block,
-                 int(not keys.symmetric), int(not values.symmetric), keys.token_group if keys.token_group > 1 else 0,
-                 int(keys.codebook is not None), int(values.codebook is not None), _float_mantissa(keys),
-                 _float_mantissa(values), _stats_kind(keys), _stats_kind(values))
-        constants = dict(SHAPE=shape, DEVICE_LENGTHS=lengths is not None, PDL=pdl, launch_pdl=pdl,
-                         num_warps=launch.num_warps, num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
+        constants = dict(SHAPE=partial_shape(gqa, keys, values, launch.block), DEVICE_LENGTHS=lengths is not None,
+                         PDL=pdl, launch_pdl=pdl, num_warps=launch.num_warps,
+                         num_stages=1 if d >= WIDE_HEAD else launch.num_stages)
         # sized before the workspace exists, with stand-ins for it and the split's counts
         stand_in = torch.empty(1, device=query.device)
         sizing = triton_launch.compiled_kernel(triton_decode.partial_kernel, _triton_partial_args(

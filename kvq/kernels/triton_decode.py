@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.quant.nvfp4 import BLOCK as NVFP4_BLOCK
-
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
@@ -65,7 +63,6 @@ _SIGNED_EXACT = _nibbles_to_f16(1032, 1152, exact=True)
 _UNSIGNED_BIASED = _nibbles_to_f16(1024, 1024, exact=False)
 _UNSIGNED_EXACT = _nibbles_to_f16(1024, 1024, exact=True)
 HIGH_STEP = tl.constexpr(16.0)
-E4M3_BLOCK = tl.constexpr(NVFP4_BLOCK)  # coordinates per E4M3 scale (NVFP4's block)
 WINDOW_BLOCK = tl.constexpr(MIN_DOT)  # residual windows are ~16 tokens
 # How a layout's stats are held (the partial's K_SCALES / V_SCALES): none (codes scaled by their layer alone, which
 # the maps carry), as their dtype reads (float32, fp16, E8M0 bytes), or E4M3 bytes (NVFP4's block scales)
@@ -119,14 +116,19 @@ def float_bits_to_f16(code, BITS: tl.constexpr, MANTISSA: tl.constexpr):
 @triton.jit
 def _load_indices(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr):
     """Even and odd coordinates' unsigned codes of a (BLOCK, d) tile as int32 (kvq.quant.packing's little-end-first
-    bit stream per row): int4 one byte per coordinate pair, int8 one 16-bit load (the low byte the even
-    coordinate), other widths each coordinate's bits from the one or two bytes they span."""
+    bit stream per row): 2- and 4-bit codes one byte load per coordinate pair (a 2-bit pair in the low or high half
+    of its byte), int8 one 16-bit load (the low byte the even coordinate), other widths each coordinate's bits from
+    the one or two bytes they span."""
     pairs = tl.arange(0, HALF)
     row_bytes: tl.constexpr = HALF * BITS // 4
     if BITS == 4:
         byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + pairs[None, :], mask=valid[:, None], other=0)
         byte = byte.to(tl.int32)
         return byte & 0xF, byte >> 4
+    if BITS == 2:
+        byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + (pairs // 2)[None, :], mask=valid[:, None], other=0)
+        pair = byte.to(tl.int32) >> (4 * (pairs % 2))[None, :]
+        return pair & 3, (pair >> 2) & 3
     if BITS == 8:
         words = codes_ptr.to(tl.pointer_type(tl.int16)) + tokens[:, None] * (row_bytes // 2) + pairs[None, :]
         word = tl.load(words, mask=valid[:, None], other=0).to(tl.int32)
@@ -155,10 +157,15 @@ def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.cons
     the offsets of an asymmetric layout. As stored: float32, fp16, or E8M0 bytes, a byte b being 2^(b - 127),
     float32's exponent field (E4M3 bytes scale their codes in registers: _e4m3_block_scaled)."""
     groups = tl.arange(0, GROUPS)
-    scales = tl.load(scales_ptr + tokens[None, :] * STATS + groups[:, None], mask=valid[None, :], other=0)
-    if scales_ptr.dtype.element_ty == tl.uint8:
-        return (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return scales.to(tl.float32)
+    return _stat_values(tl.load(scales_ptr + tokens[None, :] * STATS + groups[:, None], mask=valid[None, :], other=0))
+
+@triton.jit
+def _stat_values(stats):
+    """float32 values of stored stats: float32 or fp16 as they are, E8M0 bytes b as 2^(b - 127) (float32's exponent
+    field)."""
+    if stats.dtype == tl.uint8:
+        return (stats.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return stats.to(tl.float32)
 
 @triton.jit
 def _load_window(ptr, tokens, valid, HALF: tl.constexpr):
@@ -255,18 +262,28 @@ def _channel_dequantized(codes, stats_ptr, HALF: tl.constexpr, OFFSETS: tl.const
     return c_even * s_even, c_odd * s_odd
 
 @triton.jit
-def _e4m3_block_scaled(codes, scales_ptr, tokens, valid, STATS: tl.constexpr):
-    """NVFP4's (even, odd) E2M1 values times their block's E4M3 scale (scales_ptr: this head's rows of STATS bytes),
-    in fp16 registers, exactly: the product has at most 2 + 4 significant bits and lies between 2^-10 and 6 x 448.
-    The tile then takes one row block of the query and accumulators instead of one per block of 16 coordinates."""
+def _block_scaled(codes, stats_ptr, tokens, valid, STATS: tl.constexpr, BLOCKS: tl.constexpr, OFFSETS: tl.constexpr,
+                  KIND: tl.constexpr):
+    """Codes with a scale s (and an offset z) per token and block of coordinates, decoded in registers: the (even,
+    odd) tiles of c * s (+ z) in fp16 (stats_ptr: this head's rows of STATS stats, BLOCKS scales then the offsets).
+    NVFP4's E2M1 values times their E4M3 block scale (KIND STATS_E4M3) are exact in fp16: at most 2 + 4 significant
+    bits, between 2^-10 and 6 x 448. Other stats round once to fp16 and decode in one FMA, as KIVI's channel stats
+    do. The tile then takes one row block of the query or accumulators instead of one per block of coordinates."""
     c_even, c_odd = codes
     BLOCK: tl.constexpr = c_even.shape[0]
     HALF: tl.constexpr = c_even.shape[1]
-    blocks = tl.arange(0, STATS)
-    scale = tl.load(scales_ptr + tokens[:, None] * STATS + blocks[None, :], mask=valid[:, None], other=0)
-    scale = float_bits_to_f16(scale.to(tl.int32), 8, 3)
-    PAIRS: tl.constexpr = HALF // STATS  # coordinate pairs per block
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK, STATS, PAIRS)), (BLOCK, HALF))
+    at = stats_ptr + tokens[:, None] * STATS + tl.arange(0, BLOCKS)[None, :]
+    stats = tl.load(at, mask=valid[:, None], other=0)
+    if KIND == STATS_E4M3:
+        scale = float_bits_to_f16(stats.to(tl.int32), 8, 3)
+    else:
+        scale = _stat_values(stats).to(tl.float16)
+    PAIRS: tl.constexpr = HALF // BLOCKS  # coordinate pairs per block
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK, BLOCKS, PAIRS)), (BLOCK, HALF))
+    if OFFSETS:
+        offset = _stat_values(tl.load(at + BLOCKS, mask=valid[:, None], other=0)).to(tl.float16)
+        offset = tl.reshape(tl.broadcast_to(offset[:, :, None], (BLOCK, BLOCKS, PAIRS)), (BLOCK, HALF))
+        return tl.fma(c_even, scale, offset), tl.fma(c_odd, scale, offset)
     return c_even * scale, c_odd * scale
 
 
@@ -300,15 +317,19 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     buffers and the float32 levels codebook codes index (unread without them);
     window: (keys, values), (B, Hkv, window_capacity, d); partials: (sums (B, Hq, splits, d), maxima and
     normalizers (B, Hq, splits)); all contiguous. counts: (n_packed, n_window, tokens_per_split, capacity,
-    window_capacity); SHAPE: (GQA, GQA_P, HALF, K_BITS, V_BITS, K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS,
-    V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK, K_FLOAT_MANTISSA, V_FLOAT_MANTISSA, K_SCALES, V_SCALES): K and V
-    codes of their own widths (2-8 bits), signed, or unsigned with offsets after the scales where K_OFFSETS /
+    window_capacity); SHAPE (kvq.kernels.decode_attention.partial_shape): (GQA, GQA_P, HALF, K_BITS, V_BITS,
+    K_GROUPS, V_GROUPS, BLOCK, K_OFFSETS, V_OFFSETS, K_TOKEN_GROUP, K_CODEBOOK, V_CODEBOOK, K_FLOAT_MANTISSA,
+    V_FLOAT_MANTISSA, K_SCALES, V_SCALES, K_ROWS, V_ROWS): K and V with K_GROUPS / V_GROUPS scale groups per stats
+    row, in K_ROWS / V_ROWS row blocks of the query / accumulators, one per scale group or one where each tile
+    decodes its codes in registers (_block_scaled); codes of their own widths (2-8 bits), signed, or unsigned with
+    offsets after the scales where K_OFFSETS /
     V_OFFSETS (an asymmetric layout), or indices into a codebook with a scale per group (TurboQuant's norm, FP8's
     per-token scale, MX's E8M0 bytes, NVFP4's E4M3 bytes: K_SCALES / V_SCALES STATS_E4M3) where K_CODEBOOK /
     V_CODEBOOK, which are a float format's bits where its *_FLOAT_MANTISSA >= 0, or with no stats at all (unit
     scales: STATS_NONE); where
-    K_TOKEN_GROUP > 0, keys with stats per channel over that many tokens (a multiple of BLOCK; K_GROUPS 1), one
-    stats row per token group, with which each tile decodes its keys in registers (_channel_dequantized).
+    K_TOKEN_GROUP > 0, keys with stats per channel over that many tokens (a multiple of BLOCK; K_GROUPS one per
+    channel, K_ROWS 1), one stats row per token group, with which each tile decodes its keys in
+    registers (_channel_dequantized).
     Packed splits score q @ query_map against the codes; the last split scores q against the window,
     whose exact values pass through the same grouped step with unit scales. DEVICE_LENGTHS: the token
     counts come from lengths_ptr (see device_lengths) instead of counts."""
@@ -329,12 +350,14 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     V_FLOAT_MANTISSA: tl.constexpr = SHAPE[14]
     K_SCALES: tl.constexpr = SHAPE[15]
     V_SCALES: tl.constexpr = SHAPE[16]
-    K_NIBBLES: tl.constexpr = K_BITS == 4 and not K_CODEBOOK and K_TOKEN_GROUP == 0  # read biased
-    # stats per row: a token group's per channel; NVFP4's E4M3 block scales (folded into the codes: one row block);
-    # a scale (and offset) per row block
-    K_STATS: tl.constexpr = (2 * HALF * (1 + K_OFFSETS) if K_TOKEN_GROUP > 0 else 2 * HALF // E4M3_BLOCK
-                             if K_SCALES == STATS_E4M3 else K_GROUPS * (1 + K_OFFSETS))
-    V_STATS: tl.constexpr = 2 * HALF // E4M3_BLOCK if V_SCALES == STATS_E4M3 else V_GROUPS * (1 + V_OFFSETS)
+    K_ROWS: tl.constexpr = SHAPE[17]
+    V_ROWS: tl.constexpr = SHAPE[18]
+    # decoded in registers: the codes take their stats in each tile, and the offsets with them
+    K_DECODED: tl.constexpr = K_TOKEN_GROUP > 0 or K_ROWS < K_GROUPS
+    V_DECODED: tl.constexpr = V_ROWS < V_GROUPS
+    K_NIBBLES: tl.constexpr = K_BITS == 4 and not K_CODEBOOK and not K_DECODED  # read biased
+    K_STATS: tl.constexpr = K_GROUPS * (1 + K_OFFSETS)  # stats per row: scales, then offsets
+    V_STATS: tl.constexpr = V_GROUPS * (1 + V_OFFSETS)
     K_SIGNED: tl.constexpr = 1 - K_OFFSETS
     V_SIGNED: tl.constexpr = 1 - V_OFFSETS
     q_ptr, qmap_ptr = queries
@@ -354,13 +377,13 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
     q_offset = head_rows * (2 * HALF)
     m_i = tl.full([GQA_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GQA_P], tl.float32)
-    acc_even = tl.zeros([V_GROUPS * GQA_P, HALF], tl.float32)
-    acc_odd = tl.zeros([V_GROUPS * GQA_P, HALF], tl.float32)
-    acc_offset = tl.zeros([V_GROUPS * GQA_P], tl.float32)
+    acc_even = tl.zeros([V_ROWS * GQA_P, HALF], tl.float32)
+    acc_odd = tl.zeros([V_ROWS * GQA_P, HALF], tl.float32)
+    acc_offset = tl.zeros([V_ROWS * GQA_P], tl.float32)
     row = pid_bh.to(tl.int64) * capacity
     if split < n_splits - 1:
         query = _grouped_query(qmap_ptr, q_offset, row_ok, (scale, scale / HIGH_STEP if K_NIBBLES else scale), HALF,
-                               K_GROUPS, GQA_P)
+                               K_ROWS, GQA_P)
         k_bias = _query_bias(query, K_NIBBLES, K_SIGNED)
         ks = keys[1] + (row // K_TOKEN_GROUP if K_TOKEN_GROUP > 0 else row) * K_STATS
         q_sums = _query_sums(query, K_NIBBLES)
@@ -377,32 +400,33 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             k_scales = tl.full([1, BLOCK], 1.0, tl.float32)  # where the codes take their scales, or have none
             if K_TOKEN_GROUP > 0:
                 k_codes = _channel_dequantized(k_codes, ks + (t0 // K_TOKEN_GROUP) * K_STATS, HALF, K_OFFSETS)
-            elif K_SCALES == STATS_E4M3:
-                k_codes = _e4m3_block_scaled(k_codes, ks, tokens, valid, K_STATS)
+            elif K_DECODED:
+                k_codes = _block_scaled(k_codes, ks, tokens, valid, K_STATS, K_GROUPS, K_OFFSETS, K_SCALES)
             elif K_SCALES == STATS_STORED:
                 k_scales = _load_scales(ks, tokens, valid, K_GROUPS, K_STATS)
             k_offsets = k_scales  # unread without offsets
-            if K_OFFSETS and K_TOKEN_GROUP == 0:
+            if K_OFFSETS and not K_DECODED:
                 k_offsets = _load_scales(ks + K_GROUPS, tokens, valid, K_GROUPS, K_STATS)
             v_codes = _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, values[2], V_CODEBOOK,
                                   V_FLOAT_MANTISSA)
             v_scales = tl.full([1, BLOCK], 1.0, tl.float32)
-            if V_SCALES == STATS_E4M3:
-                v_codes = _e4m3_block_scaled(v_codes, vs, tokens, valid, V_STATS)
+            if V_DECODED:
+                v_codes = _block_scaled(v_codes, vs, tokens, valid, V_STATS, V_GROUPS, V_OFFSETS, V_SCALES)
             elif V_SCALES == STATS_STORED:
                 v_scales = _load_scales(vs, tokens, valid, V_GROUPS, V_STATS)
             v_offsets = v_scales
-            if V_OFFSETS:
+            if V_OFFSETS and not V_DECODED:
                 v_offsets = _load_scales(vs + V_GROUPS, tokens, valid, V_GROUPS, V_STATS)
             m_i, l_i, acc_even, acc_odd, acc_offset = _online_softmax_step(
                 query, k_bias, k_codes, (k_scales, k_offsets, q_sums), v_codes, (v_scales, v_offsets), valid,
-                (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK, K_OFFSETS and K_TOKEN_GROUP == 0, V_OFFSETS)
+                (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, BLOCK, K_OFFSETS and not K_DECODED,
+                V_OFFSETS and not V_DECODED)
     else:
-        query = _grouped_query(q_ptr, q_offset, row_ok, (scale, scale), HALF, K_GROUPS, GQA_P)
+        query = _grouped_query(q_ptr, q_offset, row_ok, (scale, scale), HALF, K_ROWS, GQA_P)
         window_row = pid_bh.to(tl.int64) * window_capacity * (2 * HALF)
-        no_bias = tl.zeros([K_GROUPS * GQA_P], tl.float32)
-        k_unit = tl.full([K_GROUPS, WINDOW_BLOCK], 1.0, tl.float32)
-        v_unit = tl.full([V_GROUPS, WINDOW_BLOCK], 1.0, tl.float32)
+        no_bias = tl.zeros([K_ROWS * GQA_P], tl.float32)
+        k_unit = tl.full([K_ROWS, WINDOW_BLOCK], 1.0, tl.float32)
+        v_unit = tl.full([V_ROWS, WINDOW_BLOCK], 1.0, tl.float32)
         for t0 in range(0, n_window, WINDOW_BLOCK):
             tokens = t0 + tl.arange(0, WINDOW_BLOCK)
             valid = tokens < n_window
@@ -410,7 +434,7 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
                 query, no_bias, _load_window(window[0] + window_row, tokens, valid, HALF), (k_unit, k_unit, no_bias),
                 _load_window(window[1] + window_row, tokens, valid, HALF), (v_unit, v_unit), valid,
                 (m_i, l_i, acc_even, acc_odd, acc_offset), GQA_P, WINDOW_BLOCK, 0, 0)
-    if V_OFFSETS:  # the packed splits' offsets, on each row block's own columns (the window's carry none)
+    if V_OFFSETS and not V_DECODED:  # the packed splits' offsets, on each row block's own columns (none in the window)
         acc_even += acc_offset[:, None]
         acc_odd += acc_offset[:, None]
     stat = head_rows * n_splits + split
