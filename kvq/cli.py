@@ -436,11 +436,15 @@ def _quiet_libraries() -> None:
     neither (a user's own settings stand)."""
     import logging
     import os
+    import warnings
 
     for variable, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_VERBOSITY", "error"),
                             ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
         os.environ.setdefault(variable, value)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    # transformers 5.2x renamed forward's `past_key_values` to `cache` and warns at every call under the old name,
+    # which the perplexity path still passes (releases before 5.2 know only it): one warning per cell of a sweep
+    warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
 
 
 def _fail(message: str) -> None:

@@ -82,7 +82,8 @@ def bench_decode(
     if min(lengths) < 1 or min(sizes) < 1:
         raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
     result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
-                                prefill_chunk=prefill_chunk or None)
+                                prefill_chunk=prefill_chunk or None,
+                                progress=lambda line: typer.echo(f"kvq bench decode: {line}", err=True))
     _record_bench("decode", result, tables.decode_table(result), device, out, results)
 
 

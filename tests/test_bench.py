@@ -10,7 +10,17 @@ from kvq.bench import decode, tables
 def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_run():
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, vocab_size=256)
-    result = decode.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2, batches=(1, 2))
+    heard = []
+    result = decode.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2, batches=(1, 2),
+                                 progress=heard.append)
+    # a warm-up per cache, then each round of turns, as each starts
+    ready = {cache.label for cache in decode.DECODE_CACHES} - {row["cache"] for row in result["rows"] if
+                                                                "skipped" in row and row["batch"] == 1}
+    assert heard[:len(decode.DECODE_CACHES)] == [f"prompt 40 x 1: warming up {cache.name}"
+                                                 for cache in decode.DECODE_CACHES]
+    assert heard[len(decode.DECODE_CACHES):len(decode.DECODE_CACHES) + 2] == [
+        f"prompt 40 x 1: timed round {i}/2 of {len(ready)} caches" for i in (1, 2)]
+    assert len(heard) == 2 * (len(decode.DECODE_CACHES) + 2)
     for batch in (1, 2):
         rows = [row for row in result["rows"] if row["batch"] == batch]
         assert {row["cache"] for row in rows} == {cache.label for cache in decode.DECODE_CACHES}

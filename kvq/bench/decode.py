@@ -281,17 +281,19 @@ def release_memory(device: torch.device) -> None:
 
 
 def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, new_tokens: int,
-                 repeats: int, prefill_chunk: int | None) -> list[dict]:
+                 repeats: int, prefill_chunk: int | None, progress: Callable[[str], None]) -> list[dict]:
     """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
     one untimed generate of the same length (allocator and kernel warm-up, and a compiled row's
     compilation); then the caches take turns run by run, with Python's garbage collector held off, so
     drift in the host's speed (runs of one cache vary by 2x on a shared host) falls on all of them alike.
-    A cache that cannot run (unavailable here, or out of memory) gives a row that says why."""
+    A cache that cannot run (unavailable here, or out of memory) gives a row that says why. `progress` hears of
+    each warm-up and each round of turns as it starts."""
     batch, length = prompt.shape
     max_tokens = length + new_tokens
     where = {"prompt": length, "batch": batch}
     skipped, ready = [], []
     for cache in caches:
+        progress(f"prompt {length} x {batch}: warming up {cache.name}")
         try:
             decode_run(model, cache.loop, cache.setup(model, batch, max_tokens), prompt, new_tokens, prefill_chunk,
                        cache.attention)
@@ -305,7 +307,8 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
     collecting = gc.isenabled()
     gc.disable()
     try:
-        for _ in range(repeats):
+        for repeat in range(repeats):
+            progress(f"prompt {length} x {batch}: timed round {repeat + 1}/{repeats} of {len(ready)} caches")
             for cache in ready:
                 runs[cache.label].append(decode_run(model, cache.loop, cache.setup(model, batch, max_tokens),
                                                      prompt, new_tokens, prefill_chunk, cache.attention))
@@ -381,10 +384,10 @@ def decode_model(device: str, config) -> torch.nn.Module:
 
 def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, config=None, repeats: int = 9,
                  batches=(1,), caches: tuple[DecodeCache, ...] = DECODE_CACHES,
-                 prefill_chunk: int | None = None) -> dict:
+                 prefill_chunk: int | None = None, progress: Callable[[str], None] = lambda _: None) -> dict:
     """ms/token per cache and decode loop at each prompt length and batch (see _decode_rows), on a random-weight
     fp16 Llama of `config` (Llama-3-8B's by default); every cache prefills in chunks of `prefill_chunk` tokens
-    (generate's prefill_chunk_size) if given."""
+    (generate's prefill_chunk_size) if given. `progress` hears what starts, as a line."""
     model = decode_model(device, config or llama3_8b_like())
     config = model.config
     bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
@@ -392,7 +395,7 @@ def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, confi
     for batch in batches:
         for length in prompts:
             prompt = torch.randint(0, config.vocab_size, (batch, length), device=device)
-            rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk)
+            rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk, progress)
             release_memory(prompt.device)
     return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
             "prefill_chunk": prefill_chunk,
