@@ -121,7 +121,7 @@ def _load_indices(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constex
     the one or two bytes they span."""
     pairs = tl.arange(0, HALF)
     row_bytes: tl.constexpr = HALF * BITS // 4
-    if BITS == 4:
+    if BITS == 4:  # its own load: a byte index computed as 2-bit codes' is hides the row's contiguity from Triton
         byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + pairs[None, :], mask=valid[:, None], other=0)
         byte = byte.to(tl.int32)
         return byte & 0xF, byte >> 4
