@@ -155,7 +155,7 @@ def _nibbles(byte, CONVERSION: tl.constexpr, PINNED: tl.constexpr):
 def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.constexpr):
     """(GROUPS, BLOCK) float32 scales of a tile (STATS per token): one row per scale group. At scales_ptr + GROUPS:
     the offsets of an asymmetric layout. As stored: float32, fp16, or E8M0 bytes, a byte b being 2^(b - 127),
-    float32's exponent field (E4M3 bytes scale their codes in registers: _e4m3_block_scaled)."""
+    float32's exponent field (E4M3 bytes scale their codes in registers: _block_scaled)."""
     groups = tl.arange(0, GROUPS)
     return _stat_values(tl.load(scales_ptr + tokens[None, :] * STATS + groups[:, None], mask=valid[None, :], other=0))
 
@@ -279,12 +279,17 @@ def _block_scaled(codes, stats_ptr, tokens, valid, STATS: tl.constexpr, BLOCKS: 
     else:
         scale = _stat_values(stats).to(tl.float16)
     PAIRS: tl.constexpr = HALF // BLOCKS  # coordinate pairs per block
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK, BLOCKS, PAIRS)), (BLOCK, HALF))
+    scale = per_coordinate(scale, BLOCK, BLOCKS, PAIRS)
     if OFFSETS:
         offset = _stat_values(tl.load(at + BLOCKS, mask=valid[:, None], other=0)).to(tl.float16)
-        offset = tl.reshape(tl.broadcast_to(offset[:, :, None], (BLOCK, BLOCKS, PAIRS)), (BLOCK, HALF))
+        offset = per_coordinate(offset, BLOCK, BLOCKS, PAIRS)
         return tl.fma(c_even, scale, offset), tl.fma(c_odd, scale, offset)
     return c_even * scale, c_odd * scale
+
+@triton.jit
+def per_coordinate(block_values, ROWS: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+    """(ROWS, BLOCKS) -> (ROWS, BLOCKS * BLOCK): each block's value at its every coordinate."""
+    return tl.reshape(tl.broadcast_to(block_values[:, :, None], (ROWS, BLOCKS, BLOCK)), (ROWS, BLOCKS * BLOCK))
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.kernels.triton_decode import float_bits_to_f16
+from kvq.kernels.triton_decode import float_bits_to_f16, per_coordinate
 from kvq.kernels.triton_launch import launch
 from kvq.quant.layout import E4M3_STATS, MX_SCHEMES, NVFP4_SCHEME, PackedLayout
 from kvq.quant.mx import BLOCK as MX_BLOCK
@@ -102,7 +102,7 @@ def float_codes_kernel(rows_ptr, codes_ptr, scales_ptr, layer_scale_ptr, n, D: t
         exponent_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
         biased = tl.minimum(tl.maximum(exponent_field - EMAX, 0), 255)
         scale = tl.maximum((biased << 23).to(tl.float32, bitcast=True), F32_MIN_NORMAL)
-        v = tl.math.div_rn(x, _per_coordinate(scale, ROWS, BLOCKS, BLOCK))
+        v = tl.math.div_rn(x, per_coordinate(scale, ROWS, BLOCKS, BLOCK))
         tl.store(scales_ptr + block_columns, biased.to(tl.uint8), mask=ok[:, None])
     elif SCALING == "nvfp4":
         layer_scale = tl.full((ROWS, BLOCKS), tl.load(layer_scale_ptr), tl.float32)
@@ -112,7 +112,7 @@ def float_codes_kernel(rows_ptr, codes_ptr, scales_ptr, layer_scale_ptr, n, D: t
         scale_codes = _float_codes(block_scale, 8, 3, 7, 448.0)  # E4M3: 3 mantissa bits, bias 7, largest 448
         inverse = tl.math.div_rn(tl.full((ROWS, BLOCKS), 1.0, tl.float32), layer_scale)
         factor = tl.math.div_rn(inverse, float_bits_to_f16(scale_codes, 8, 3).to(tl.float32))
-        v = x * _per_coordinate(factor, ROWS, BLOCKS, BLOCK)
+        v = x * per_coordinate(factor, ROWS, BLOCKS, BLOCK)
         tl.store(scales_ptr + block_columns, scale_codes.to(tl.uint8), mask=ok[:, None])
     elif SCALING == "layer":
         scale = tl.load(layer_scale_ptr)
@@ -128,12 +128,6 @@ def float_codes_kernel(rows_ptr, codes_ptr, scales_ptr, layer_scale_ptr, n, D: t
         codes = even | (odd << 4)
     tl.store(codes_ptr + rows[:, None].to(tl.int64) * row_bytes + tl.arange(0, row_bytes)[None, :],
              codes.to(tl.uint8), mask=ok[:, None])
-
-
-@triton.jit
-def _per_coordinate(block_values, ROWS: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-    """(ROWS, BLOCKS) -> (ROWS, BLOCKS * BLOCK): each block's value at its every coordinate."""
-    return tl.reshape(tl.broadcast_to(block_values[:, :, None], (ROWS, BLOCKS, BLOCK)), (ROWS, BLOCKS * BLOCK))
 
 
 def unsupported_reason(layout: PackedLayout, lam: torch.Tensor | None) -> str | None:
