@@ -11,14 +11,23 @@ from kvq.errors import KvqError
 bench_app = typer.Typer(no_args_is_help=True, help="Kernel and decode speed (JSON under runs/bench, RESULTS.md item).")
 
 
-def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, results: Path) -> None:
-    from kvq.ledger import append_finding
+def _bench_record(kind: str, device: str, out: Path) -> tuple[dict, Path]:
+    """A bench's provenance, taken as it starts, and the JSON path its rows go to."""
     from kvq.provenance import provenance
+
+    record = {"bench": kind, **provenance(device)}
+    return record, out / f"{kind}-{record['timestamp'][:19].replace(':', '')}.json"
+
+
+def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, results: Path,
+                  started: tuple[dict, Path] | None = None) -> None:
+    """Writes the finished bench (over any partial record at the same path) and appends its RESULTS.md finding."""
+    from kvq.ledger import append_finding
     from kvq.report import bench_finding
     from kvq.store import write_json_atomic
 
-    record = {"bench": kind, "result": result, **provenance(device)}
-    path = out / f"{kind}-{record['timestamp'][:19].replace(':', '')}.json"
+    record, path = started or _bench_record(kind, device, out)
+    record = {**record, "result": result, "complete": True}
     write_json_atomic(path, record)
     typer.echo(table)
     finding = bench_finding(f"kvq {' '.join(sys.argv[1:])}", kind, record, table, path)
@@ -70,6 +79,7 @@ def bench_decode(
     compiled step loop over the static caches), with each row's bandwidth floor (Llama-3-8B shapes, random
     weights)."""
     from kvq.bench import decode, tables
+    from kvq.store import write_json_atomic
 
     if new_tokens < 2:
         raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
@@ -81,10 +91,18 @@ def bench_decode(
     lengths, sizes = (tuple(int(x) for x in floats(text)) for text in (prompts, batches))
     if min(lengths) < 1 or min(sizes) < 1:
         raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
+    started = _bench_record("decode", device, out)
+    record, path = started
+
+    def keep(partial: dict) -> None:
+        # an interrupted bench keeps the prompts and batches it finished, marked incomplete (no finding)
+        write_json_atomic(path, {**record, "result": partial, "complete": False})
+        typer.echo(f"kvq bench decode: rows so far in {path}", err=True)
+
     result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
-                                prefill_chunk=prefill_chunk or None,
+                                prefill_chunk=prefill_chunk or None, on_rows=keep,
                                 progress=lambda line: typer.echo(f"kvq bench decode: {line}", err=True))
-    _record_bench("decode", result, tables.decode_table(result), device, out, results)
+    _record_bench("decode", result, tables.decode_table(result), device, out, results, started)
 
 
 @bench_app.command("memory")

@@ -10,9 +10,12 @@ from kvq.bench import decode, tables
 def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_run():
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, vocab_size=256)
-    heard = []
+    heard, so_far = [], []
     result = decode.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2, batches=(1, 2),
-                                 progress=heard.append)
+                                 progress=heard.append, on_rows=so_far.append)
+    # the rows so far, once per prompt and batch as it ends: batch 1's, then all
+    assert [{row["batch"] for row in partial["rows"]} for partial in so_far] == [{1}, {1, 2}]
+    assert so_far[-1] == result and so_far[0]["rows"] == result["rows"][:len(so_far[0]["rows"])]
     # a warm-up per cache, then each round of turns, as each starts
     ready = {cache.label for cache in decode.DECODE_CACHES} - {row["cache"] for row in result["rows"] if
                                                                 "skipped" in row and row["batch"] == 1}
@@ -47,6 +50,30 @@ def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_r
         assert min(ratios) <= kvq["paired_ratio_to_first"] <= max(ratios)
         assert kvq["speedup_vs_best_fp16"] == pytest.approx(fp16["ms_per_token"] / kvq["ms_per_token"])
     assert "skipped: " in tables.decode_table(result)
+
+
+def test_an_interrupted_decode_bench_keeps_what_it_finished_marked_incomplete_and_appends_no_finding(
+        tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvq.cli import app
+
+    finished = {"rows": [{"prompt": 8, "batch": 1, "cache": "a", "precision": "fp16", "ms_per_token": 4.0}]}
+
+    def interrupted_after_one_prompt(*args, on_rows, **kwargs):
+        on_rows(finished)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decode, "bench_decode", interrupted_after_one_prompt)
+    done = CliRunner().invoke(app, ["bench", "decode", "--device", "cpu", "--out", str(tmp_path / "bench"),
+                                    "--results", str(tmp_path / "RESULTS.md")])
+    assert done.exit_code != 0
+    [path] = (tmp_path / "bench").glob("decode-*.json")
+    record = json.loads(path.read_text())
+    assert record["complete"] is False and record["result"] == finished and record["bench"] == "decode"
+    assert not (tmp_path / "RESULTS.md").exists()
 
 
 def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_best_fp16_row():

@@ -384,19 +384,27 @@ def decode_model(device: str, config) -> torch.nn.Module:
 
 def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, config=None, repeats: int = 9,
                  batches=(1,), caches: tuple[DecodeCache, ...] = DECODE_CACHES,
-                 prefill_chunk: int | None = None, progress: Callable[[str], None] = lambda _: None) -> dict:
+                 prefill_chunk: int | None = None, progress: Callable[[str], None] = lambda _: None,
+                 on_rows: Callable[[dict], None] = lambda _: None) -> dict:
     """ms/token per cache and decode loop at each prompt length and batch (see _decode_rows), on a random-weight
     fp16 Llama of `config` (Llama-3-8B's by default); every cache prefills in chunks of `prefill_chunk` tokens
-    (generate's prefill_chunk_size) if given. `progress` hears what starts, as a line."""
+    (generate's prefill_chunk_size) if given. `progress` hears what starts, as a line; `on_rows` hears the result
+    so far each time a prompt and batch is done, so a caller can keep what an interrupted bench measured."""
     model = decode_model(device, config or llama3_8b_like())
     config = model.config
     bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
+    weight_bytes = _weight_read_bytes(model)
     rows = []
+
+    def result() -> dict:
+        return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens,
+                "repeats": repeats, "prefill_chunk": prefill_chunk, "copy_bandwidth_Bps": bandwidth,
+                "rows": list(_with_floors(rows, weight_bytes, bandwidth))}
+
     for batch in batches:
         for length in prompts:
             prompt = torch.randint(0, config.vocab_size, (batch, length), device=device)
             rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk, progress)
             release_memory(prompt.device)
-    return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens, "repeats": repeats,
-            "prefill_chunk": prefill_chunk,
-            "copy_bandwidth_Bps": bandwidth, "rows": _with_floors(rows, _weight_read_bytes(model), bandwidth)}
+            on_rows(result())
+    return result()
