@@ -1,9 +1,9 @@
-"""The static cache on real models, SRFT-4 in groups of 32 alone and with Qwen2's fp boundary layers (a policy that
-helps it on Qwen2.5, RESULTS.md), KIVI-2 and KIVI-4 (the frontier there), TurboQuant-3 and -4 (SmolLM2's) and formats
-engines ship (llama.cpp's q4_0, MXFP4, NVFP4, FP8 under a calibrated scale): a
-prompt prefilled, then tokens of the text teacher-forced one decode step at a time, through the static cache
-(decode steps attending from the codes) and through the reference protocol cache; each step's log-probability of
-the text's next token must agree to float rounding.
+"""The static cache on real models, SRFT-4 in groups of 32 alone, with Qwen2's fp boundary layers and with 8-bit keys
+(K8/V4; policies that help it on Qwen2.5, RESULTS.md), KIVI-2 and KIVI-4 (the frontier there), TurboQuant-3 and -4
+(SmolLM2's) and formats engines ship (llama.cpp's q4_0, MXFP4, NVFP4, FP8 under a calibrated scale): a prompt
+prefilled, then tokens of the text teacher-forced one decode step at a time, through the static cache (decode steps
+attending from the codes) and through the reference protocol cache; each step's log-probability of the text's next
+token must agree to float rounding.
 
 A whole-sequence perplexity through the static cache is not this comparison: there every token after the window
 is quantized by a decode step, and a code that one last bit flips changes every later step, so the two caches'
@@ -27,6 +27,7 @@ LAYOUTS = {  # (base spec, per-site policy, window): KIVI's window holds a whole
     "srft4-g32": (QuantSpec("srft", 4, "per_group", 32), None, 8),
     "srft4-g32-fp-boundary": (QuantSpec("srft", 4, "per_group", 32),
                               {"layers": [{"first": 1, "use": "fp"}, {"last": 1, "use": "fp"}]}, 8),
+    "srft4-g32-k8v4": (QuantSpec("srft", 4, "per_group", 32), {"k": {"bits": 8}}, 8),  # vLLM's K8/V4 mix
     "kivi2-g32": (QuantSpec("kivi", 2, group_size=32), None, 32),
     "kivi4-g32": (QuantSpec("kivi", 4, group_size=32), None, 32),
     "turbo3": (QuantSpec("turbo", 3), None, 8),
