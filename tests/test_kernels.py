@@ -91,6 +91,33 @@ def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_head
     assert cuda_decode.partial_fits(query, keys, values, (window, window)) == fits
 
 
+@pytest.mark.parametrize("key_form, value_form, fits", [
+    # (bits, symmetric, token_group) of K and of V
+    ((4, True, 1), (4, True, 1), True),
+    ((4, False, 1), (4, False, 1), True),  # unsigned codes with offsets on both sides
+    ((8, False, 1), (4, False, 1), True),
+    ((4, False, 1), (4, True, 1), False),  # on one side only: the Triton partial
+    ((4, True, 1), (4, False, 1), False),
+    ((4, False, 32), (4, False, 1), True),  # KIVI-4: keys per channel over 32-token groups
+    ((4, False, 16), (4, False, 1), True),
+    ((4, False, 128), (4, False, 1), True),
+    ((2, False, 32), (2, False, 1), False),  # KIVI-2
+    ((8, False, 32), (4, False, 1), False),  # int8 keys per channel
+    ((4, False, 32), (4, True, 1), False),  # symmetric values behind KIVI's keys
+])
+@pytest.mark.parametrize("scales", [torch.float16, torch.float32])
+def test_cuda_partial_kernel_takes_offsets_on_both_sides_or_on_neither(key_form, value_form, fits, scales,
+                                                                        monkeypatch):
+    """KIVI's keys fit with fp16 stats only, as KIVI stores them."""
+    monkeypatch.setattr(cuda_decode, "properties", lambda device: SimpleNamespace(major=9))
+    keys, values = (random_packed(1, 8, 64, 128, bits, 32, "cpu", scale_dtype=scales, symmetric=symmetric,
+                                  token_group=token_group) for bits, symmetric, token_group in (key_form, value_form))
+    query = torch.zeros(1, 32, 128, dtype=torch.float16)
+    window = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
+    assert cuda_decode.partial_fits(query, keys, values, (window, window)) == (
+        fits and (key_form[2] == 1 or scales == torch.float16))
+
+
 @pytest.mark.parametrize("major, builds", [(7, False), (8, True), (9, True)])
 def test_cuda_kernels_serve_from_sm_80_on(major, builds, monkeypatch):
     """csrc/decode_attention.cu's mma.sync m16n8k16 and cp.async need sm_80: Triton serves older GPUs."""
@@ -476,6 +503,13 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     (1, 32, 8, 128, 32768, 8, (4, False), (4, False), 32, torch.float16, torch.float16),
     (2, 16, 4, 128, 3001, 16, (8, False), (4, False), 32, torch.float16, torch.float32),
     (1, 12, 4, 128, 777, 0, (4, True), (4, False), 32, torch.bfloat16, torch.float16),
+    # csrc/decode_attention.cu's shapes with offsets on both sides: 1-4 query heads per KV head, ragged tiles, an
+    # empty window, one token, int8 keys, both scale dtypes
+    (2, 16, 4, 128, 3001, 16, (4, False), (4, False), 32, torch.bfloat16, torch.float32),
+    (1, 12, 4, 128, 777, 0, (8, False), (4, False), 32, torch.float16, torch.float16),
+    (1, 8, 8, 128, 70, 3, (4, False), (4, False), 32, torch.float32, torch.float32),
+    (1, 4, 2, 128, 1, 16, (4, False), (4, False), 32, torch.float16, torch.float32),
+    (1, 32, 8, 128, 32768, 8, (8, False), (4, False), 32, torch.bfloat16, torch.float32),
     (3, 9, 3, 64, 517, 16, (4, False), (8, True), 16, torch.float32, torch.float32),
     (2, 8, 8, 64, 100, 0, (8, False), (8, False), 64, torch.float32, torch.float16),
     (1, 4, 1, 256, 3000, 15, (4, False), (4, False), 256, torch.float32, torch.float32),
@@ -485,7 +519,8 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
 ])
 def test_decode_attention_with_offsets_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens, window, keys,
                                                                    values, group, dtype, scales):
-    """Asymmetric layouts run in the Triton partial whichever partial the launch asks for."""
+    """Offsets on both sides at csrc/decode_attention.cu's shapes take the CUDA partial; on one side only, or at other
+    shapes, the Triton partial."""
     _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, keys, values, group, dtype, scales)
 
 
@@ -623,6 +658,11 @@ def test_decode_attention_over_float_format_codes_equals_sdpa_over_their_decode(
                          "dtype", [
     (1, 32, 8, 128, 32768, 16, 4, 4, 32, 32, torch.float16),  # KIVI-4 at Llama-3-8B's shapes
     (2, 16, 4, 128, 3001, 16, 8, 4, 128, 32, torch.float16),  # a last group not whole
+    # int4 keys at csrc/decode_attention.cu's shapes: 1-4 query heads per KV head, groups of 1-8 tiles, one token
+    (2, 16, 4, 128, 3001, 16, 4, 4, 128, 32, torch.bfloat16),
+    (1, 12, 4, 128, 777, 0, 4, 4, 16, 32, torch.float32),
+    (1, 8, 8, 128, 70, 3, 4, 4, 32, 32, torch.float16),
+    (1, 4, 2, 128, 1, 16, 4, 4, 32, 32, torch.float16),
     (3, 9, 3, 64, 517, 0, 4, 8, 16, 16, torch.float32),
     (1, 14, 2, 64, 1, 1, 4, 4, 32, 32, torch.bfloat16),
     (1, 4, 1, 256, 1000, 15, 4, 4, 64, 64, torch.float32),
@@ -634,7 +674,8 @@ def test_decode_attention_with_per_channel_keys_equals_dequantize_then_sdpa(batc
                                                                             window, key_bits, value_bits,
                                                                             token_group, group, dtype):
     """KIVI's layouts: keys with a scale and an offset per channel over `token_group` tokens, values with offsets
-    per token group of channels, fp16 stats; the Triton partial decodes both in registers."""
+    per token group of channels, fp16 stats. csrc/decode_attention.cu reads int4 keys at its shapes, each tile's
+    group's scales folded into the query; the Triton partial decodes the others in registers."""
     _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, (key_bits, False),
                             (value_bits, False), group, dtype, torch.float16, token_group)
 
@@ -674,8 +715,11 @@ def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window
     launch = LaunchConfig(partial=partial)
     if partial == "cuda" and d == 128 and key_bits in (4, 8) and value_bits == 4 and group == 32 and \
             q_heads // kv_heads <= 4 and not codebooks:
-        # int4 and int8 keys alike; offsets take the Triton partial
-        assert cuda_decode.partial_fits(query, keys, values, window) == (key_symmetric and value_symmetric)
+        # int4 and int8 keys alike, symmetric or with offsets on both sides; KIVI's int4 keys in groups of tiles
+        kivi_keys = (token_group % cuda_decode.TILE == 0 and key_bits == 4 and not value_symmetric
+                     and scales == torch.float16)
+        assert cuda_decode.partial_fits(query, keys, values, window) == (
+            kivi_keys if token_group > 1 else key_symmetric == value_symmetric)
     got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
                                                                                                       d ** -0.5)
     # the second call goes through the compiled kernels' own launchers

@@ -23,6 +23,7 @@ GROUPS = 4  # its scale groups per row (32 coordinates each)
 MAX_GQA = 4  # its query heads per KV head
 MMA_TILE = 16  # rows and columns of an m16n8k16 A fragment
 KEY_BITS = (4, 8)  # its KVQ_KEY_BITS builds; values are int4
+TILE = 16  # tokens per warp step: per-channel key groups are whole tiles, and splits start on one
 
 
 class DecodeArguments(ctypes.Structure):
@@ -52,27 +53,45 @@ def reduce_fits(query: torch.Tensor) -> bool:
 
 
 def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """The shapes csrc/decode_attention.cu is written for (its header), with the window in the query's dtype.
-    keys, values: PackedKV."""
-    return (builds_on(query.device) and keys.bits in KEY_BITS and values.bits == 4 and keys.head_dim == HEAD_DIM
-            and keys.symmetric and values.symmetric and keys.codebook is None and values.codebook is None
-            and keys.scales.shape[-1] == values.scales.shape[-1] == GROUPS
+    """The shapes csrc/decode_attention.cu is written for (its header): V in scale groups of 32 per token; K alike, or
+    KIVI's int4 keys (fp16 stats per channel over token groups that are whole tiles); K and V both symmetric or both
+    with offsets; the window in the query's dtype. keys, values: PackedKV."""
+    stats = GROUPS * (1 + (not values.symmetric))
+    if keys.token_group > 1:
+        keys_fit = (keys.bits == 4 and keys.token_group % TILE == 0 and keys.scales.shape[-1] == 2 * HEAD_DIM
+                    and keys.scales.dtype == torch.float16 and not values.symmetric)
+    else:
+        keys_fit = keys.bits in KEY_BITS and keys.symmetric == values.symmetric and keys.scales.shape[-1] == stats
+    return (builds_on(query.device) and keys_fit and values.bits == 4 and keys.head_dim == HEAD_DIM
+            and values.token_group == 1 and keys.codebook is None and values.codebook is None
+            and values.scales.shape[-1] == stats
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= MAX_GQA and query.dtype in DTYPE_DEFINES
             and window[0].dtype == window[1].dtype == query.dtype)
 
 
-def source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32, key_bits: int = 4) -> str:
+def source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32, key_bits: int = 4,
+           offsets: bool = False, key_channels: int = 0) -> str:
     """The translation unit of the partial and reduce kernels for query, window and output elements of
-    `dtype`, scales of `scale_dtype` and keys of `key_bits`."""
+    `dtype`, scales of `scale_dtype`, keys of `key_bits`, unsigned codes with offsets where `offsets`, and keys with
+    stats per channel over groups of `key_channels` tokens where it is set."""
     defines = (f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n#define KVQ_SCALE_HALF {int(scale_dtype == torch.float16)}\n"
-               f"#define KVQ_KEY_BITS {key_bits}\n")
+               f"#define KVQ_KEY_BITS {key_bits}\n#define KVQ_OFFSETS {int(offsets)}\n"
+               f"#define KVQ_KEY_CHANNELS {key_channels}\n")
     return defines + kernel_text("decode_primitives.cuh") + kernel_text("decode_attention.cu")
 
 
+def partial_kernel_for(query: torch.Tensor, keys) -> CudaLaunch:
+    """The partial kernel's build for this query and K (PackedKV; V matches it where partial_fits)."""
+    key_channels = keys.token_group if keys.token_group > 1 else 0
+    return partial_kernel(query.dtype, keys.scales.dtype, keys.bits, not keys.symmetric, key_channels, query.device)
+
+
 @lru_cache(maxsize=16)
-def partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, key_bits: int, device: torch.device) -> CudaLaunch:
-    return CudaLaunch.compile(source(dtype, scale_dtype, key_bits), "kvq_decode_partial", device)
+def partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, key_bits: int, offsets: bool, key_channels: int,
+                   device: torch.device) -> CudaLaunch:
+    return CudaLaunch.compile(source(dtype, scale_dtype, key_bits, offsets, key_channels), "kvq_decode_partial",
+                              device)
 
 
 @lru_cache(maxsize=8)

@@ -8,10 +8,11 @@ query heads of a KV head (GQA), so every KV byte is read once. Scales mostly sta
 query's rows are laid out once per scale group, so each group's share of q . k meets its scale in
 float32 after the tensor-core product, and the probabilities carry the V scales into the second product.
 An asymmetric layout's unsigned codes decode as c * s + z: its offsets add z times the group's query sum to a
-key's score, and the probabilities' sum against z to the values (the Triton partial only). Where a row block per
-scale group would cost more than the arithmetic (KIVI's per-channel keys, NVFP4's blocks of 16, value groups behind
-keys of one row block: _row_blocks), the Triton partial instead decodes the tile in registers, one fp16 FMA per
-coordinate. Codebook codes
+key's score, and the probabilities' sum against z to the values. KIVI's keys, with a scale and an offset per channel
+over each group of tokens, fold into the query: q . k = sum_i (q_i s_i) c_i + sum_i q_i z_i, the scaled query
+made once per group in the CUDA partial. Where a row block per scale group would cost more than the arithmetic in
+the Triton partial (KIVI's per-channel keys, NVFP4's blocks of 16, value groups behind keys of one row block:
+_row_blocks), it instead decodes the tile in registers, one fp16 FMA per coordinate. Codebook codes
 (TurboQuant_mse's, and the float formats': FP8's, MX's and NVFP4's element values) become their levels in registers (a
 lookup in the small float32 table; for a float format, arithmetic on the code's bits) and their scales (TurboQuant's
 per-token norm, FP8's per-token scale, MX's E8M0 byte per block read as a power of two, NVFP4's E4M3 byte per block)
@@ -27,7 +28,8 @@ residual-window split (exact tokens) in the model's, and the reduce pass maps th
 adding the window's, so the window needs no per-step rotation.
 
 The partials come from csrc/decode_attention.cu (kvq.kernels.cuda_decode) where the shape fits it (head_dim
-128, int4 K and V in scale groups of 32, at most 4 query heads per KV head), at every sequence length; from
+128, int4 V in scale groups of 32, int4 or int8 K alike or KIVI's int4 keys with fp16 stats, K and V both
+symmetric or both with offsets, at most 4 query heads per KV head), at every sequence length; from
 the Triton partial kernel (kvq.kernels.triton_decode) otherwise, after a kernel that maps the query. The
 reduce is the CUDA one at head_dim 128, else Triton's. On compute capability 9.0 the step's kernels are
 launched programmatically dependent, so each one's launch overlaps the kernel before it.
@@ -37,6 +39,7 @@ the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
 """
 
 import dataclasses
+import math
 
 import torch
 
@@ -199,7 +202,9 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     lengths_pointer = query if lengths is None else lengths  # unread without lengths
     cuda_partial = launch.partial == "cuda" and cuda_decode.partial_fits(query, keys, values, step.window)
     if cuda_partial:
-        resident = cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, keys.bits, query.device).resident_blocks
+        resident = cuda_decode.partial_kernel_for(query, keys).resident_blocks
+        if keys.token_group > 1:  # splits start on a tile, so that every tile lies in one key group
+            launch = dataclasses.replace(launch, block=math.lcm(launch.block, cuda_decode.TILE))
     else:
         if keys.token_group > 1:  # a tile within one token group
             launch = dataclasses.replace(launch, block=min(launch.block, keys.token_group))
@@ -221,8 +226,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
              *step.window, partial, maxima, sums, lengths_pointer],
             [n_packed, n_window, per_split, packed_splits, gqa, capacity, window_capacity], float(scale),
             lengths is not None)
-        cuda_decode.partial_kernel(query.dtype, keys.scales.dtype, keys.bits, query.device)(
-            (batch * kv_heads, n_splits), [arguments], programmatic=pdl)
+        cuda_decode.partial_kernel_for(query, keys)((batch * kv_heads, n_splits), [arguments], programmatic=pdl)
     else:
         columns = min(d, MAP_COLUMNS)
         triton_launch.launch(triton_decode.map_query_kernel, (batch * q_heads, d // columns),

@@ -31,7 +31,17 @@
 // reduce kernel reads them.
 //
 // Scales are float32, or fp16 with KVQ_SCALE_HALF 1 (ScalarQuantizer's scale_dtype float16): 16 or 8 bytes per
-// token and role.
+// token and role. With KVQ_OFFSETS 1, K and V are both a layout with offsets: unsigned codes c decoding as
+// c s + z, each token's row of stats its four scales, then its four offsets. A key's score gains z times the
+// query's sum over the group (its scaled rows' sums, taken once per program); a value group's z meets the
+// probabilities in a running sum per (head, group), kept beside the softmax's and added to each of the group's
+// coordinates when the warps merge.
+//
+// With KVQ_KEY_CHANNELS G (KIVI's keys, with KVQ_OFFSETS 1 and int4 keys), keys carry a scale s_i and an offset z_i
+// per channel i over each group of G tokens instead of stats per token: q . k = sum_i (q_i s_i) c_i + sum_i q_i z_i.
+// A stage holds its tile's group's channel stats, and each tile (wholly inside one group, as G is a multiple of the
+// tile) folds the scales into the query's fragments and the offsets into its rows' starting scores; a token's share
+// of the score then meets no scale of its own.
 
 #define KVQ_D 128
 #define KVQ_ROW_BYTES 64                  // int4 codes of one token
@@ -40,60 +50,87 @@
 #endif
 #define KVQ_KEY_ROW_BYTES (KVQ_D * KVQ_KEY_BITS / 8)
 #define KVQ_GROUPS 4                      // scale groups of 32 coordinates
+#define KVQ_STATS (KVQ_GROUPS * (1 + KVQ_OFFSETS))  // stats per token and role: scales, then any offsets
+#ifndef KVQ_KEY_CHANNELS
+#define KVQ_KEY_CHANNELS 0
+#endif
+#if KVQ_KEY_CHANNELS && !(KVQ_SCALE_HALF && KVQ_OFFSETS && KVQ_KEY_BITS == 4)
+#error "per-channel keys are KIVI's: int4 codes with fp16 scales and offsets"
+#endif
 #define KVQ_HEADS 4                       // query rows per group in the fragments
 #define KVQ_TILE 16                       // tokens per warp step
 #define KVQ_WARPS 4
-// Three programs per SM with four stages rather than four with three, now that every program maps its query:
-// a program fewer per SM reads the 32 KB map a quarter less often, and the registers it frees end the loop's
-// re-materialized addresses and constants.
-#if KVQ_KEY_BITS == 8
-#define KVQ_STAGES 3                      // int8 keys' stages are 1.4x larger: four would pass 48 KB
-#else
-#define KVQ_STAGES 4                      // tiles a warp keeps in flight + 1
-#endif
 #define KVQ_MIN_BLOCKS 3
 #define KVQ_CODES_BYTES (KVQ_TILE * KVQ_ROW_BYTES)
 #if KVQ_SCALE_HALF
 typedef unsigned short kvq_scale;
+#define KVQ_SCALE_BYTES 2
 #else
 typedef float kvq_scale;
+#define KVQ_SCALE_BYTES 4
 #endif
-#define KVQ_SCALE_ROW_BYTES (KVQ_GROUPS * (int)sizeof(kvq_scale))  // one token's
+#define KVQ_SCALE_ROW_BYTES (KVQ_STATS * KVQ_SCALE_BYTES)  // one token's stats
+#define KVQ_OFFSETS_AT (KVQ_GROUPS * KVQ_SCALE_BYTES)       // its offsets, in its row
 #define KVQ_SCALES_BYTES (KVQ_TILE * KVQ_SCALE_ROW_BYTES)
+#if KVQ_KEY_CHANNELS
+#define KVQ_KEY_STATS_BYTES (2 * KVQ_D * KVQ_SCALE_BYTES)  // the tile's group's scales, then its offsets
+#else
+#define KVQ_KEY_STATS_BYTES KVQ_SCALES_BYTES
+#endif
+#define KVQ_KEY_STATS_CHUNK (KVQ_KEY_STATS_BYTES / KVQ_TILE)  // per-channel key stats: each K-stats lane's share
 #define KVQ_KEY_CODES_BYTES (KVQ_TILE * KVQ_KEY_ROW_BYTES)
 #define KVQ_V_AT KVQ_KEY_CODES_BYTES
 #define KVQ_KS_AT (KVQ_V_AT + KVQ_CODES_BYTES)
-#define KVQ_VS_AT (KVQ_KS_AT + KVQ_SCALES_BYTES)
+#define KVQ_VS_AT (KVQ_KS_AT + KVQ_KEY_STATS_BYTES)
 #define KVQ_STAGE_BYTES (KVQ_VS_AT + KVQ_SCALES_BYTES)
+// Tiles a warp keeps in flight + 1: as many as fit in 48 KB of static shared memory beside the mapped rows, at most
+// four (int4 codes with float32 scales). Three programs per SM with four stages rather than four with three, now
+// that every program maps its query: a program fewer per SM reads the 32 KB map a quarter less often, and the
+// registers it frees end the loop's re-materialized addresses and constants.
+#define KVQ_SHARED_FOR_STAGES (48 * 1024 - KVQ_HEADS * KVQ_D * 4)
+#define KVQ_STAGES (KVQ_SHARED_FOR_STAGES >= 4 * KVQ_WARPS * KVQ_STAGE_BYTES ? 4 \
+                    : KVQ_SHARED_FOR_STAGES >= 3 * KVQ_WARPS * KVQ_STAGE_BYTES ? 3 : 2)
 #define KVQ_LOG2E 1.4426950408889634f
 #define KVQ_LN2 0.6931471805599453f
 #define KVQ_FULL 0xFFFFFFFFu
 #define KVQ_NEG_INF __int_as_float(0xFF800000)
 
-// One lane's share of a tile's copies (four 16-byte chunks of codes and one token's scales): where they go
+// One lane's share of a tile's copies (four 16-byte chunks of codes and one token's stats): where they go
 // in a stage, and where they come from for the warp's first tile; a warp's next tile lies KVQ_WARPS tiles on.
 struct kvq_copy_plan {
     const uchar* key;         // codes: K and V chunks `chunk` of tokens `token` and token + 8
     const uchar* value;
-    const kvq_scale* scales;  // lanes 0-15: K scales of token lane; 16-31: V scales of token lane - 16
+    const kvq_scale* scales;  // lanes 0-15: K stats of token lane (per-channel: chunk lane of a group's); 16-31: V
+                              // stats of token lane - 16
+    unsigned long long head_row;  // the (batch, KV head)'s first row in the buffers
+    uint first_t0;                // the warp's first tile's first token (in the head's rows)
     uint token, scale_token;
     uint key_at, value_at, value_next_at, scale_at;  // stage offsets
 };
 
-__device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned long long first_token,
+__device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned long long head_row, uint first_t0,
                                                           const uchar* key_codes, const uchar* value_codes,
                                                           const kvq_scale* key_scales, const kvq_scale* value_scales) {
     kvq_copy_plan plan;
+    plan.head_row = head_row;
+    plan.first_t0 = first_t0;
+    unsigned long long first_token = head_row + first_t0;
     uint chunk = lane % 4;
     plan.token = lane / 4;
     plan.scale_token = lane % KVQ_TILE;
     plan.key = key_codes + (first_token + plan.token) * KVQ_KEY_ROW_BYTES + 16 * chunk;
     plan.value = value_codes + (first_token + plan.token) * KVQ_ROW_BYTES + 16 * chunk;
-    plan.scales = (lane < KVQ_TILE ? key_scales : value_scales) + (first_token + plan.scale_token) * KVQ_GROUPS;
+    plan.scales = (lane < KVQ_TILE ? key_scales : value_scales) + (first_token + plan.scale_token) * KVQ_STATS;
     plan.key_at = plan.token * KVQ_KEY_ROW_BYTES + 16 * chunk;
     plan.value_at = KVQ_V_AT + kvq_v_row(plan.token) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token, chunk);
     plan.value_next_at = KVQ_V_AT + kvq_v_row(plan.token + 8) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token + 8, chunk);
     plan.scale_at = (lane < KVQ_TILE ? KVQ_KS_AT : KVQ_VS_AT) + plan.scale_token * KVQ_SCALE_ROW_BYTES;
+#if KVQ_KEY_CHANNELS
+    if (lane < KVQ_TILE) {
+        plan.scales = key_scales + lane * (KVQ_KEY_STATS_CHUNK / KVQ_SCALE_BYTES);
+        plan.scale_at = KVQ_KS_AT + lane * KVQ_KEY_STATS_CHUNK;
+    }
+#endif
     return plan;
 }
 
@@ -101,22 +138,72 @@ __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned lon
 #define KVQ_NEXT_KEY_ROWS (8 * KVQ_KEY_ROW_BYTES)
 #define KVQ_KEY_HALF_ROW 64               // int8 keys: a lane's second chunk of each row, 4 chunks on
 
-// Where the lane's copies of the warp's i-th tile come from.
+// The i-th tile of warp `warp` in its split: the warps take tiles in turn; for per-channel keys, pairs of tiles in
+// turn, so that a warp's two tiles of a 32-token group follow each other and share one fold of the group's scales
+// into the query.
+__device__ __forceinline__ uint kvq_tile(uint warp, uint i) {
+#if KVQ_KEY_CHANNELS
+    return 2 * KVQ_WARPS * (i / 2) + 2 * warp + i % 2;
+#else
+    return warp + KVQ_WARPS * i;
+#endif
+}
+
+// How many of a split's `tiles` warp `warp` takes.
+__device__ __forceinline__ uint kvq_tiles_of(uint warp, uint tiles) {
+#if KVQ_KEY_CHANNELS
+    uint rest = tiles % (2 * KVQ_WARPS);
+    return 2 * (tiles / (2 * KVQ_WARPS)) + (rest > 2 * warp ? min(2u, rest - 2 * warp) : 0u);
+#else
+    return tiles > warp ? (tiles - warp + KVQ_WARPS - 1) / KVQ_WARPS : 0;
+#endif
+}
+
+// Where the lane's copies of the warp's tile at token t0 come from.
 struct kvq_tile_sources {
     const uchar* key;
     const uchar* value;
     const kvq_scale* scales;
 };
 
-__device__ __forceinline__ kvq_tile_sources kvq_sources(const kvq_copy_plan& plan, uint i) {
-    unsigned long long step = (unsigned long long)i * KVQ_WARPS * KVQ_TILE;
-    return {plan.key + step * KVQ_KEY_ROW_BYTES, plan.value + step * KVQ_ROW_BYTES, plan.scales + step * KVQ_GROUPS};
+__device__ __forceinline__ kvq_tile_sources kvq_sources(const kvq_copy_plan& plan, uint t0) {
+    unsigned long long step = t0 - plan.first_t0;
+    return {plan.key + step * KVQ_KEY_ROW_BYTES, plan.value + step * KVQ_ROW_BYTES, plan.scales + step * KVQ_STATS};
+}
+
+// One token's stats global -> shared (8-byte copies for a row of four fp16 scales, which is 8-byte aligned only;
+// 16-byte ones otherwise), zero-filled unless `valid`.
+__device__ __forceinline__ void kvq_copy_stats(uint shared, const kvq_scale* global, bool valid) {
+#if KVQ_SCALE_ROW_BYTES == 8
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(shared), "l"(global), "r"(valid ? 8 : 0)
+                 : "memory");
+#else
+#pragma unroll
+    for (uint at = 0; at < KVQ_SCALE_ROW_BYTES; at += 16) {
+        kvq_copy16(shared + at, (const uchar*)global + at, valid ? 16 : 0);
+    }
+#endif
+}
+
+// A tile's stats: per token (a lane's token's row, zero-filled unless `valid`), or for per-channel keys the K-stats
+// lanes' chunks of the group that holds token t0 (every token of the tile is in it).
+__device__ __forceinline__ void kvq_copy_tile_stats(const kvq_copy_plan& plan, uint stage, const kvq_scale* scales,
+                                                    uint t0, bool valid) {
+#if KVQ_KEY_CHANNELS
+    if (plan.scale_at < KVQ_VS_AT) {
+        const uchar* group = (const uchar*)(plan.scales + (plan.head_row + t0) / KVQ_KEY_CHANNELS * (2 * KVQ_D));
+#pragma unroll
+        for (uint at = 0; at < KVQ_KEY_STATS_CHUNK; at += 16) kvq_copy16(stage + plan.scale_at + at, group + at, 16);
+        return;
+    }
+#endif
+    kvq_copy_stats(stage + plan.scale_at, scales, valid);
 }
 
 // Issues the copies of the warp's i-th tile (its first token `t0`; tokens from `end` on are zero-filled,
 // read from the tile's first row instead) into `stage`.
-__device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint stage, uint i, uint t0, uint end) {
-    kvq_tile_sources from = kvq_sources(plan, i);
+__device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint stage, uint t0, uint end) {
+    kvq_tile_sources from = kvq_sources(plan, t0);
     const uchar *key = from.key, *value = from.value;
     const kvq_scale* scales = from.scales;
     bool valid = t0 + plan.token < end, next_valid = t0 + plan.token + 8 < end;
@@ -134,7 +221,7 @@ __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint s
     kvq_copy16(stage + plan.value_at, valid ? value : value - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
     kvq_copy16(stage + plan.value_next_at, next_valid ? value + next : value - plan.token * KVQ_ROW_BYTES,
                next_valid ? 16 : 0);
-    kvq_copy_scales(stage + plan.scale_at, scale_valid ? scales : scales - plan.scale_token * KVQ_GROUPS, scale_valid);
+    kvq_copy_tile_stats(plan, stage, scale_valid ? scales : scales - plan.scale_token * KVQ_STATS, t0, scale_valid);
 }
 
 // The same for a tile wholly before `end` (all of a split's but its last): no bounds to check, no zero fill,
@@ -143,8 +230,8 @@ __device__ __forceinline__ void kvq_copy16_whole(uint shared, const void* global
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(global) : "memory");
 }
 
-__device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, uint stage, uint i) {
-    kvq_tile_sources from = kvq_sources(plan, i);
+__device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, uint stage, uint t0) {
+    kvq_tile_sources from = kvq_sources(plan, t0);
     kvq_copy16_whole(stage + plan.key_at, from.key);
     kvq_copy16_whole(stage + plan.key_at + KVQ_NEXT_KEY_ROWS, from.key + KVQ_NEXT_KEY_ROWS);
 #if KVQ_KEY_BITS == 8
@@ -154,11 +241,7 @@ __device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, 
 #endif
     kvq_copy16_whole(stage + plan.value_at, from.value);
     kvq_copy16_whole(stage + plan.value_next_at, from.value + KVQ_NEXT_ROWS);
-#if KVQ_SCALE_HALF
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(stage + plan.scale_at), "l"(from.scales) : "memory");
-#else
-    kvq_copy16_whole(stage + plan.scale_at, from.scales);
-#endif
+    kvq_copy_tile_stats(plan, stage, from.scales, t0, true);
 }
 
 // The query map, x -> x M for the program's query rows, as mma's with M^T as the A operand in the host's fragment
@@ -209,6 +292,86 @@ __device__ __forceinline__ void kvq_map_query(const kvq_query_map_fragments& map
     }
 }
 
+// The query's halves as the scores' mma takes them. Lane (r, c) holds group c's coordinates `q` of row r (c even)
+// or row r + 8 (c odd) where that row's group is c (`live`), zeros otherwise. Int4 keys: chunk 2w + e pairs the low
+// nibbles of code bytes 4w + 2e and 4w + 2e + 1 of the lane's group (coordinates 8w + 4e and + 2) and their high
+// nibbles (+ 1, + 3), the high ones' coordinates divided by 16. Int8 keys: chunk w holds coordinates 4w, 4w + 1 (low)
+// and 4w + 2, 4w + 3 (high). Returns the codes' bias against them; q_sum: the query's sum over the coordinates (what
+// a per-token offset multiplies).
+__device__ __forceinline__ float kvq_query_halves(const float* q, bool live, float q_scale, uint (&q_low)[8],
+                                                  uint (&q_high)[8], float& q_sum) {
+    float bias = 0.0f;
+    q_sum = 0.0f;
+#pragma unroll
+    for (uint chunk = 0; chunk < 8; ++chunk) {
+#if KVQ_KEY_BITS == 8
+        float4 coords = live ? *(const float4*)(q + 4 * chunk) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        q_sum += coords.x + coords.y + coords.z + coords.w;
+        q_low[chunk] = kvq_half2(coords.x * q_scale, coords.y * q_scale);
+        q_high[chunk] = kvq_half2(coords.z * q_scale, coords.w * q_scale);
+        bias += KVQ_BYTE_BIAS * (kvq_half2_sum(q_low[chunk]) + kvq_half2_sum(q_high[chunk]));
+#else
+        uint at = 8 * (chunk / 2) + 4 * (chunk % 2);
+        float4 coords = live ? *(const float4*)(q + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        q_sum += coords.x + coords.y + coords.z + coords.w;
+        q_low[chunk] = kvq_half2(coords.x * q_scale, coords.z * q_scale);
+        q_high[chunk] = kvq_half2(coords.y * q_scale * 0.0625f, coords.w * q_scale * 0.0625f);
+        bias += KVQ_LOW_BIAS * kvq_half2_sum(q_low[chunk]) + KVQ_HIGH_BIAS * kvq_half2_sum(q_high[chunk]);
+#endif
+    }
+    return bias;
+}
+
+// A chunk's halves as the A fragment of the lane's row: registers 0, 2 for row r, 1, 3 for row r + 8.
+__device__ __forceinline__ void kvq_place(uint (&fragment)[4], uint low, uint high, uint own_row) {
+    fragment[0] = own_row == 0 ? low : 0u;
+    fragment[1] = own_row == 1 ? low : 0u;
+    fragment[2] = own_row == 0 ? high : 0u;
+    fragment[3] = own_row == 1 ? high : 0u;
+}
+
+#if KVQ_KEY_CHANNELS
+__device__ __forceinline__ uint kvq_hmul2(uint a, uint b) {
+    uint out;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+    return out;
+}
+
+// Per-channel keys: a tile's query fragments and its rows' starting scores (base[0]: row r, base[2]: row r + 8). The
+// query's halves (int4 chunks, kvq_query_halves) times the group's channel scales, in fp16 (KIVI's stats are fp16);
+// then, on the tensor cores, those fragments against -1024 (the codes' bias, so that it cancels as it is computed)
+// and the halves themselves against the group's offsets (16 times them for the high halves). `channels`: the scales
+// of the lane's group's coordinates, their offsets KVQ_D stats on.
+__device__ __forceinline__ void kvq_channel_operands(const uint (&q_low)[8], const uint (&q_high)[8],
+                                                     const uchar* channels, uint own_row, uint (&q_frag)[8][4],
+                                                     float (&base)[4]) {
+    const uint minus_bias = 0xE400E400u, sixteen = 0x4C004C00u;  // fp16 -1024, 16
+    base[0] = base[1] = base[2] = base[3] = 0.0f;
+#pragma unroll
+    for (uint w = 0; w < 4; ++w) {  // coordinates 8w .. 8w + 7: chunks 2w, 2w + 1
+        uint4 scales = *(const uint4*)(channels + 16 * w);
+        uint4 offsets = *(const uint4*)(channels + KVQ_D * KVQ_SCALE_BYTES + 16 * w);
+        uint scale_words[4] = {scales.x, scales.y, scales.z, scales.w};
+        uint offset_words[4] = {offsets.x, offsets.y, offsets.z, offsets.w};
+#pragma unroll
+        for (uint e = 0; e < 2; ++e) {
+            uint chunk = 2 * w + e, first = scale_words[2 * e], second = scale_words[2 * e + 1];
+            // coordinates 8w + 4e, + 2 (low) and + 1, + 3 (high) of the pairs (+ 0, + 1), (+ 2, + 3)
+            kvq_place(q_frag[chunk], kvq_hmul2(q_low[chunk], kvq_prmt(first, second, 0x5410)),
+                      kvq_hmul2(q_high[chunk], kvq_prmt(first, second, 0x7632)), own_row);
+            kvq_mma(base, q_frag[chunk][0], q_frag[chunk][1], q_frag[chunk][2], q_frag[chunk][3], minus_bias,
+                    minus_bias);
+            uint unscaled[4];
+            kvq_place(unscaled, q_low[chunk], q_high[chunk], own_row);
+            first = offset_words[2 * e];
+            second = offset_words[2 * e + 1];
+            kvq_mma(base, unscaled[0], unscaled[1], unscaled[2], unscaled[3], kvq_prmt(first, second, 0x5410),
+                    kvq_hmul2(kvq_prmt(first, second, 0x7632), sixteen));
+        }
+    }
+}
+#endif
+
 // kvq_decode_partial's arguments as one __grid_constant__ parameter, which the split functions read in place
 // (kvq.kernels.cuda_decode.DecodeArguments mirrors it field for field).
 struct kvq_decode_args {
@@ -243,16 +406,16 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
 
     // The first tiles' copies go out first: the query's setup below runs while they are in flight.
     uint tiles = end > start ? (end - start + KVQ_TILE - 1) / KVQ_TILE : 0;
-    uint my_tiles = tiles > warp ? (tiles - warp + KVQ_WARPS - 1) / KVQ_WARPS : 0;
+    uint my_tiles = kvq_tiles_of(warp, tiles);
     uchar* ring = stages + warp * KVQ_STAGES * KVQ_STAGE_BYTES;
     uint ring_address = kvq_shared_address(ring);
     unsigned long long row = (unsigned long long)bh * capacity;
-    kvq_copy_plan plan = kvq_plan_copies(lane, row + start + KVQ_TILE * warp, key_codes, value_codes, key_scales,
-                                         value_scales);
+    kvq_copy_plan plan = kvq_plan_copies(lane, row, start + KVQ_TILE * kvq_tile(warp, 0), key_codes, value_codes,
+                                         key_scales, value_scales);
 #pragma unroll
     for (uint i = 0; i < KVQ_STAGES - 1; ++i) {
         if (i < my_tiles) {
-            kvq_issue_tile(plan, ring_address + i * KVQ_STAGE_BYTES, i, start + KVQ_TILE * (warp + KVQ_WARPS * i), end);
+            kvq_issue_tile(plan, ring_address + i * KVQ_STAGE_BYTES, start + KVQ_TILE * kvq_tile(warp, i), end);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
@@ -260,42 +423,30 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
     kvq_await_previous_kernel();
     kvq_map_query(map, query, rows, bh, gqa, warp, r, c);
     __syncthreads();
-    // The query's A fragments: lane (r, c) holds group c's coordinates of row r (c even) or row r + 8 (c
-    // odd) where that row's group is c, zeros otherwise; chunk 2w + e pairs the low nibbles of code bytes
-    // 4w + 2e and 4w + 2e + 1 of the lane's group (coordinates 8w + 4e and + 2) and their high nibbles (+ 1,
-    // + 3).
     bool live = c / 2 == r / 4 && head < gqa;
     const float* q = rows + head * KVQ_D + 32 * c;
     float q_scale = scale * KVQ_LOG2E;
-    uint q_low[8], q_high[8];
-    float bias = 0.0f;
-#pragma unroll
-    for (uint chunk = 0; chunk < 8; ++chunk) {
-#if KVQ_KEY_BITS == 8
-        // chunk w: coordinates 4w, 4w + 1 (low) and 4w + 2, 4w + 3 (high), each code 1152 + n
-        float4 coords = live ? *(const float4*)(q + 4 * chunk) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        q_low[chunk] = kvq_half2(coords.x * q_scale, coords.y * q_scale);
-        q_high[chunk] = kvq_half2(coords.z * q_scale, coords.w * q_scale);
-        bias += 1152.0f * (kvq_half2_sum(q_low[chunk]) + kvq_half2_sum(q_high[chunk]));
-#else
-        uint at = 8 * (chunk / 2) + 4 * (chunk % 2);
-        float4 coords = live ? *(const float4*)(q + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        q_low[chunk] = kvq_half2(coords.x * q_scale, coords.z * q_scale);
-        q_high[chunk] = kvq_half2(coords.y * q_scale * 0.0625f, coords.w * q_scale * 0.0625f);
-        bias += 1032.0f * kvq_half2_sum(q_low[chunk]) + 1152.0f * kvq_half2_sum(q_high[chunk]);
-#endif
-    }
-    uint zero = 0, own_row = c % 2;
+    uint own_row = c % 2;
     uint q_frag[8][4];
+    uint q_low[8], q_high[8];
+    float q_sum;
+    float bias = kvq_query_halves(q, live, q_scale, q_low, q_high, q_sum);
+#if KVQ_KEY_CHANNELS
+    float score_base, score_base_next;  // each key group's
+    uint folded_group = 0xFFFFFFFFu;     // the group whose scales the query's fragments hold
+#else
 #pragma unroll
-    for (uint chunk = 0; chunk < 8; ++chunk) {
-        q_frag[chunk][0] = own_row == 0 ? q_low[chunk] : zero;
-        q_frag[chunk][1] = own_row == 1 ? q_low[chunk] : zero;
-        q_frag[chunk][2] = own_row == 0 ? q_high[chunk] : zero;
-        q_frag[chunk][3] = own_row == 1 ? q_high[chunk] : zero;
-    }
-    float bias_row = -__shfl_sync(KVQ_FULL, bias, 4 * r + 2 * (r / 4));
-    float bias_next_row = -__shfl_sync(KVQ_FULL, bias, 4 * r + 2 * (r / 4) + 1);
+    for (uint chunk = 0; chunk < 8; ++chunk) kvq_place(q_frag[chunk], q_low[chunk], q_high[chunk], own_row);
+    float score_base = -__shfl_sync(KVQ_FULL, bias, 4 * r + 2 * (r / 4));
+    float score_base_next = -__shfl_sync(KVQ_FULL, bias, 4 * r + 2 * (r / 4) + 1);
+#endif
+#if KVQ_OFFSETS && !KVQ_KEY_CHANNELS  // what the key offsets of groups 2 (r / 4) and 2 (r / 4) + 1 multiply
+    float q_sum_row = __shfl_sync(KVQ_FULL, q_sum, 4 * r + 2 * (r / 4)) * q_scale;
+    float q_sum_next_row = __shfl_sync(KVQ_FULL, q_sum, 4 * r + 2 * (r / 4) + 1) * q_scale;
+#endif
+#if KVQ_OFFSETS
+    float2 value_offsets = make_float2(0.0f, 0.0f);  // p . z of V groups 2 (r / 4), + 1 for head r % 4
+#endif
 
     float acc[2][4][4];
 #pragma unroll
@@ -312,24 +463,33 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
         __syncwarp();
         uint ahead = i + KVQ_STAGES - 1;
         if (ahead < my_tiles) {
-            uint ahead_t0 = start + KVQ_TILE * (warp + KVQ_WARPS * ahead);
+            uint ahead_t0 = start + KVQ_TILE * kvq_tile(warp, ahead);
             uint stage = ring_address + (ahead % KVQ_STAGES) * KVQ_STAGE_BYTES;
             if (ahead_t0 + KVQ_TILE <= end) {
-                kvq_issue_whole_tile(plan, stage, ahead);
+                kvq_issue_whole_tile(plan, stage, ahead_t0);
             } else {
-                kvq_issue_tile(plan, stage, ahead, ahead_t0, end);
+                kvq_issue_tile(plan, stage, ahead_t0, end);
             }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
         const uchar* tile = ring + (i % KVQ_STAGES) * KVQ_STAGE_BYTES;
-        uint t0 = start + KVQ_TILE * (warp + KVQ_WARPS * i);
+        uint t0 = start + KVQ_TILE * kvq_tile(warp, i);
+#if KVQ_KEY_CHANNELS
+        if (t0 / KVQ_KEY_CHANNELS != folded_group) {  // the tile's group: its scales into the query
+            folded_group = t0 / KVQ_KEY_CHANNELS;
+            float base[4];
+            kvq_channel_operands(q_low, q_high, tile + KVQ_KS_AT + 32 * c * KVQ_SCALE_BYTES, own_row, q_frag, base);
+            score_base = base[0];
+            score_base_next = base[2];
+        }
+#endif
 
         // scores of tokens r (n-tile 0) and 8 + r (n-tile 1) against all 16 rows
         float s[2][4];
 #pragma unroll
         for (uint n = 0; n < 2; ++n) {
-            s[n][0] = s[n][1] = bias_row;
-            s[n][2] = s[n][3] = bias_next_row;
+            s[n][0] = s[n][1] = score_base;
+            s[n][2] = s[n][3] = score_base_next;
 #if KVQ_KEY_BITS == 8
             // group c's 32 code bytes, 32 c .. 32 c + 31 of the row
             const uchar* key_row = tile + (8 * n + r) * KVQ_KEY_ROW_BYTES;
@@ -338,7 +498,7 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
                              back_codes.x, back_codes.y, back_codes.z, back_codes.w};
 #pragma unroll
             for (uint w = 0; w < 8; ++w) {
-                uint biased = words[w] ^ 0x80808080u;
+                uint biased = words[w] ^ KVQ_BYTE_FLIP;
                 kvq_mma(s[n], q_frag[w][0], q_frag[w][1], q_frag[w][2], q_frag[w][3],
                         kvq_prmt(biased, 0x64646464u, 0x5150), kvq_prmt(biased, 0x64646464u, 0x5352));
             }
@@ -358,14 +518,28 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
         // lane (r, c): head r % 4 at tokens 2c, 2c+1 (n-tile 0) and 8 + 2c, 9 + 2c (n-tile 1)
         float score[4], tile_max = KVQ_NEG_INF;
         float2 v_scale[4];
+#if KVQ_OFFSETS
+        float2 v_offset[4];
+#endif
 #pragma unroll
         for (uint n = 0; n < 2; ++n) {
 #pragma unroll
             for (uint e = 0; e < 2; ++e) {
                 uint token = 8 * n + 2 * c + e;
-                float2 k_scale = kvq_scale_pair(tile + KVQ_KS_AT + token * KVQ_SCALE_ROW_BYTES, r);
                 v_scale[2 * n + e] = kvq_scale_pair(tile + KVQ_VS_AT + token * KVQ_SCALE_ROW_BYTES, r);
+#if KVQ_OFFSETS
+                v_offset[2 * n + e] = kvq_scale_pair(tile + KVQ_VS_AT + token * KVQ_SCALE_ROW_BYTES + KVQ_OFFSETS_AT, r);
+#endif
+#if KVQ_KEY_CHANNELS
+                float share = s[n][e] + s[n][2 + e];
+#else
+                float2 k_scale = kvq_scale_pair(tile + KVQ_KS_AT + token * KVQ_SCALE_ROW_BYTES, r);
                 float share = k_scale.x * s[n][e] + k_scale.y * s[n][2 + e];
+#if KVQ_OFFSETS
+                float2 k_offset = kvq_scale_pair(tile + KVQ_KS_AT + token * KVQ_SCALE_ROW_BYTES + KVQ_OFFSETS_AT, r);
+                share += k_offset.x * q_sum_row + k_offset.y * q_sum_next_row;
+#endif
+#endif
                 float full = share + __shfl_xor_sync(KVQ_FULL, share, 16);
                 score[2 * n + e] = full;
             }
@@ -401,6 +575,12 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
 #pragma unroll
         for (uint t = 0; t < 4; ++t) p[t] = kvq_exp2(score[t] - base);
         l = l * alpha + (p[0] + p[1] + p[2] + p[3]);
+#if KVQ_OFFSETS
+        value_offsets.x = value_offsets.x * alpha + (p[0] * v_offset[0].x + p[1] * v_offset[1].x +
+                                                     p[2] * v_offset[2].x + p[3] * v_offset[3].x);
+        value_offsets.y = value_offsets.y * alpha + (p[0] * v_offset[0].y + p[1] * v_offset[1].y +
+                                                     p[2] * v_offset[2].y + p[3] * v_offset[3].y);
+#endif
 
         // P^T's B fragments per V group pair j: columns r: head r % 4 under group 2 (r / 4) + j
         uint b[2][2];
@@ -433,6 +613,19 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
     // head h's coordinates 4x .. 4x + 3.
     l += __shfl_xor_sync(KVQ_FULL, l, 1);
     l += __shfl_xor_sync(KVQ_FULL, l, 2);
+    float offset_a[2] = {0.0f, 0.0f}, offset_b[2] = {0.0f, 0.0f};  // heads head_a, head_a + 1 in groups j + 2 (r / 4)
+#if KVQ_OFFSETS
+#pragma unroll
+    for (uint mask = 1; mask <= 2; mask *= 2) {
+        value_offsets.x += __shfl_xor_sync(KVQ_FULL, value_offsets.x, mask);
+        value_offsets.y += __shfl_xor_sync(KVQ_FULL, value_offsets.y, mask);
+    }
+    uint holder = 4 * (head_a + 4 * (r / 4));  // a lane of row head_a + 4 (r / 4): head_a's sums for these groups
+    offset_a[0] = __shfl_sync(KVQ_FULL, value_offsets.x, holder);
+    offset_a[1] = __shfl_sync(KVQ_FULL, value_offsets.y, holder);
+    offset_b[0] = __shfl_sync(KVQ_FULL, value_offsets.x, holder + 4);
+    offset_b[1] = __shfl_sync(KVQ_FULL, value_offsets.y, holder + 4);
+#endif
     float* merge = (float*)ring;  // [head][D] outputs, then [head] maxima, then [head] sums
     if (r / 4 == c / 2) {
 #pragma unroll
@@ -440,10 +633,10 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
 #pragma unroll
             for (uint k = 0; k < 4; ++k) {
                 uint dim = 2 * (16 * (j + 2 * (r / 4)) + 4 * (r % 4) + k);
-                merge[head_a * KVQ_D + dim] = acc[j][k][0];
-                merge[(head_a + 1) * KVQ_D + dim] = acc[j][k][1];
-                merge[head_a * KVQ_D + dim + 1] = acc[j][k][2];
-                merge[(head_a + 1) * KVQ_D + dim + 1] = acc[j][k][3];
+                merge[head_a * KVQ_D + dim] = acc[j][k][0] + offset_a[j];
+                merge[(head_a + 1) * KVQ_D + dim] = acc[j][k][1] + offset_b[j];
+                merge[head_a * KVQ_D + dim + 1] = acc[j][k][2] + offset_a[j];
+                merge[(head_a + 1) * KVQ_D + dim + 1] = acc[j][k][3] + offset_b[j];
             }
     }
     if (c == 0 && r < KVQ_HEADS) {

@@ -1,6 +1,6 @@
 // Device primitives of the decode attention kernels (decode_attention.cu, which follows this file in the
 // translation unit kvq.kernels.cuda_decode assembles): element conversions, PTX helpers, async copies and
-// programmatic dependent launch. KVQ_ELEM_* and KVQ_SCALE_HALF come from the defines ahead of both.
+// programmatic dependent launch. KVQ_ELEM_*, KVQ_SCALE_HALF and KVQ_OFFSETS come from the defines ahead of both.
 
 typedef unsigned int uint;
 typedef unsigned char uchar;
@@ -80,20 +80,43 @@ __device__ __forceinline__ uint kvq_and_xor(uint lanes, uint mask, uint bits) {
     return out;
 }
 
-// The low nibbles of two 16-bit lanes, n two's complement, as fp16 1024 + (n ^ 8) = 1032 + n; the high
-// ones as 1024 + 16 (n ^ 8) = 1152 + 16 n.
-__device__ __forceinline__ uint kvq_biased_low(uint lanes) { return kvq_and_xor(lanes, 0x000F000Fu, 0x64086408u); }
-__device__ __forceinline__ uint kvq_biased_high(uint lanes) { return kvq_and_xor(lanes, 0x00F000F0u, 0x64806480u); }
+// Codes are two's complement (symmetric layouts) or, with KVQ_OFFSETS, unsigned (a layout with offsets). The low
+// nibbles of two 16-bit lanes as fp16 1024 + (n ^ 8) = 1032 + n for a two's complement n, 1024 + n for an unsigned
+// one; the high ones as 1024 + 16 (n ^ 8) = 1152 + 16 n, or 1024 + 16 n. A code byte likewise: 1024 + (n ^ 0x80) =
+// 1152 + n, or 1024 + n. KVQ_*_BIAS are those biases, which the scores' accumulators start without.
+#ifndef KVQ_OFFSETS
+#define KVQ_OFFSETS 0
+#endif
+#if KVQ_OFFSETS
+#define KVQ_LOW_BITS 0x64006400u
+#define KVQ_HIGH_BITS 0x64006400u
+#define KVQ_HIGH_UNBIAS 0xD400D400u  // -64
+#define KVQ_BYTE_FLIP 0u
+#define KVQ_LOW_BIAS 1024.0f
+#define KVQ_HIGH_BIAS 1024.0f
+#define KVQ_BYTE_BIAS 1024.0f
+#else
+#define KVQ_LOW_BITS 0x64086408u
+#define KVQ_HIGH_BITS 0x64806480u
+#define KVQ_HIGH_UNBIAS 0xD480D480u  // -72
+#define KVQ_BYTE_FLIP 0x80808080u
+#define KVQ_LOW_BIAS 1032.0f
+#define KVQ_HIGH_BIAS 1152.0f
+#define KVQ_BYTE_BIAS 1152.0f
+#endif
+__device__ __forceinline__ uint kvq_biased_low(uint lanes) { return kvq_and_xor(lanes, 0x000F000Fu, KVQ_LOW_BITS); }
+__device__ __forceinline__ uint kvq_biased_high(uint lanes) { return kvq_and_xor(lanes, 0x00F000F0u, KVQ_HIGH_BITS); }
 
 // The same as exact fp16 integers n.
 __device__ __forceinline__ uint kvq_low_nibbles(uint lanes) {
     uint out;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(out) : "r"(kvq_biased_low(lanes)), "r"(0x64086408u));
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(out) : "r"(kvq_biased_low(lanes)), "r"(KVQ_LOW_BITS));
     return out;
 }
 __device__ __forceinline__ uint kvq_high_nibbles(uint lanes) {
     uint out;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(kvq_biased_high(lanes)), "r"(0x2C002C00u), "r"(0xD480D480u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(kvq_biased_high(lanes)), "r"(0x2C002C00u),
+        "r"(KVQ_HIGH_UNBIAS));
     return out;
 }
 
@@ -114,17 +137,6 @@ __device__ __forceinline__ uint kvq_shared_address(const void* pointer) {
 // 16 bytes global -> shared, zero-filled past `bytes`.
 __device__ __forceinline__ void kvq_copy16(uint shared, const void* global, uint bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(bytes) : "memory");
-}
-
-// One token's scales global -> shared (16 bytes, or 8 for fp16 scales: a row of fp16 scales is 8-byte aligned
-// only), zero-filled unless `valid`.
-__device__ __forceinline__ void kvq_copy_scales(uint shared, const void* global, bool valid) {
-#if KVQ_SCALE_HALF
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(shared), "l"(global), "r"(valid ? 8 : 0)
-                 : "memory");
-#else
-    kvq_copy16(shared, global, valid ? 16 : 0);
-#endif
 }
 
 // V's tile rows sit permuted, and their 16-byte chunks swizzled, so that each of the eight 32-bit reads of
