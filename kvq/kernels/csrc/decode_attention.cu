@@ -39,9 +39,10 @@
 //
 // With KVQ_KEY_CHANNELS G (KIVI's keys, with KVQ_OFFSETS 1 and int4 keys), keys carry a scale s_i and an offset z_i
 // per channel i over each group of G tokens instead of stats per token: q . k = sum_i (q_i s_i) c_i + sum_i q_i z_i.
-// A stage holds its tile's group's channel stats, and each tile (wholly inside one group, as G is a multiple of the
-// tile) folds the scales into the query's fragments and the offsets into its rows' starting scores; a token's share
-// of the score then meets no scale of its own.
+// A stage holds its tile's group's channel stats (every tile lies in one group, as G is a multiple of the tile). Each
+// warp takes tiles two at a time, and at the first tile of a group folds the group's scales into the query's
+// fragments and its offsets into the rows' starting scores; a token's share of the score then meets no scale of its
+// own.
 
 #define KVQ_D 128
 #define KVQ_ROW_BYTES 64                  // int4 codes of one token
@@ -96,7 +97,7 @@ typedef float kvq_scale;
 #define KVQ_NEG_INF __int_as_float(0xFF800000)
 
 // One lane's share of a tile's copies (four 16-byte chunks of codes and one token's stats): where they go
-// in a stage, and where they come from for the warp's first tile; a warp's next tile lies KVQ_WARPS tiles on.
+// in a stage, and where they come from for the warp's first tile (its later ones: kvq_tile, kvq_sources).
 struct kvq_copy_plan {
     const uchar* key;         // codes: K and V chunks `chunk` of tokens `token` and token + 8
     const uchar* value;
@@ -528,7 +529,8 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
                 uint token = 8 * n + 2 * c + e;
                 v_scale[2 * n + e] = kvq_scale_pair(tile + KVQ_VS_AT + token * KVQ_SCALE_ROW_BYTES, r);
 #if KVQ_OFFSETS
-                v_offset[2 * n + e] = kvq_scale_pair(tile + KVQ_VS_AT + token * KVQ_SCALE_ROW_BYTES + KVQ_OFFSETS_AT, r);
+                v_offset[2 * n + e] = kvq_scale_pair(tile + KVQ_VS_AT + token * KVQ_SCALE_ROW_BYTES + KVQ_OFFSETS_AT,
+                                                     r);
 #endif
 #if KVQ_KEY_CHANNELS
                 float share = s[n][e] + s[n][2 + e];
