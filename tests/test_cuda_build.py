@@ -1,0 +1,63 @@
+"""csrc/decode_attention.cu compiles, with NVRTC, in every build kvq.kernels.cuda_decode makes (no GPU needed: the
+GPU tests run the builds; this catches a build that does not compile where CI has no GPU)."""
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvq.kernels import cuda_decode
+
+
+def _nvrtc():
+    """NVIDIA's NVRTC from its pip wheel (the dev extra on Linux x86-64), or None."""
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for library in sorted(Path(root).glob("cu*/lib/libnvrtc.so.*")):
+            return ctypes.CDLL(str(library))
+    return None
+
+
+NVRTC = _nvrtc()
+requires_nvrtc = pytest.mark.skipif(NVRTC is None, reason="NVRTC is not installed (the dev extra, Linux x86-64)")
+
+
+def compile_log(source: str, arch: str) -> tuple[int, str]:
+    """NVRTC's status and log for `source` compiled to a cubin for `arch`."""
+    program = ctypes.c_void_p()
+    assert NVRTC.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"decode_attention.cu", 0, None, None) == 0
+    options = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+    status = NVRTC.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    NVRTC.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    NVRTC.nvrtcGetProgramLog(program, log)
+    NVRTC.nvrtcDestroyProgram(ctypes.byref(program))
+    return status, log.value.decode(errors="replace")
+
+
+# (query dtype, scale dtype, key bits, offsets, key channels): each kind of build partial_fits admits
+BUILDS = [(torch.float16, scales, bits, offsets, 0) for scales in (torch.float32, torch.float16)
+          for bits in cuda_decode.KEY_BITS for offsets in (False, True)] + [
+    (torch.bfloat16, torch.float32, 4, False, 0), (torch.float32, torch.float16, 8, True, 0),
+    (torch.float16, torch.float16, 4, True, 32), (torch.bfloat16, torch.float16, 4, True, 16)]
+
+
+@requires_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])  # the oldest it builds on, and the one with PDL
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: "-".join(str(part).replace("torch.", "") for part in b))
+def test_every_decode_attention_build_compiles(build, arch):
+    dtype, scales, key_bits, offsets, key_channels = build
+    status, log = compile_log(cuda_decode.source(dtype, scales, key_bits, offsets, key_channels), arch)
+    assert status == 0, log
+
+
+@requires_nvrtc
+def test_per_channel_keys_refuse_to_build_without_fp16_stats():
+    """KIVI's keys are read as fp16 words: a build with float32 stats stops at its #error rather than misread them."""
+    status, log = compile_log(cuda_decode.source(torch.float16, torch.float32, 4, True, 32), "sm_90")
+    assert status != 0 and "per-channel keys are KIVI's" in log
