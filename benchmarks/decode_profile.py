@@ -1,7 +1,8 @@
 """Where a compiled decode step's time goes: GPU kernel time per step against the step's length on the GPU
 timeline, on `kvq bench decode`'s model, for its compiled rows.
 
-    python benchmarks/decode_profile.py [--prompt 32768] [--batch 1] [--new-tokens 16] [--caches a,b]
+    python benchmarks/decode_profile.py [--prompt 32768] [--batch 1] [--new-tokens 16] [--prefill-chunk 4096]
+                                        [--caches a,b]
 
 A generate row runs one untimed generate (compilation), then two generates under torch.profiler, of 4 and of
 4 + new-tokens tokens: their difference is new-tokens decode steps, the prefill cancelling up to its own
@@ -32,18 +33,20 @@ def kernel_times(trace) -> collections.Counter:
     return times
 
 
-def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int) -> tuple[float, dict]:
+def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
+                     prefill_chunk: int | None) -> tuple[float, dict]:
     times, runs = [], []
     for tokens in (WARM_STEPS, new_tokens + WARM_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             runs.append(decode_run(model, cache.loop, cache.setup(model, prompt.shape[0], max_tokens), prompt,
-                                   tokens))
+                                   tokens, prefill_chunk, cache.attention))
         times.append(kernel_times(trace))
     steps = runs[1].steps_s[WARM_STEPS:]
     return sum(steps) / len(steps), {name: (us - times[0][name]) / new_tokens for name, us in times[1].items()}
 
 
-def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int) -> tuple[float, dict]:
+def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
+                      prefill_chunk: int | None) -> tuple[float, dict]:
     kv = cache.setup(model, prompt.shape[0], max_tokens)["past_key_values"]
     trace = profile(activities=[ProfilerActivity.CUDA])
     clock = StepClock(prompt.device)
@@ -54,8 +57,9 @@ def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int) ->
             trace.start()
         clock.tick()
 
-    with torch.no_grad(), decode_routing(model, kv):
-        generate(model, prompt, kv, WARM_STEPS + new_tokens + 1, on_token=on_token, compiled=True)
+    with torch.no_grad(), decode_routing(model, kv, cache.attention):
+        generate(model, prompt, kv, WARM_STEPS + new_tokens + 1, prefill_chunk=prefill_chunk, on_token=on_token,
+                 compiled=True)
     torch.cuda.synchronize()
     trace.stop()
     steps = clock.seconds()[1][WARM_STEPS:]
@@ -67,18 +71,19 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--caches", default="fp16-static-compiled,kvq-int4-static-compiled,fp16-static-step,"
-                                            "kvq-int4-static-step")
+    parser.add_argument("--prefill-chunk", type=int, default=0, help="prefill chunk in tokens; 0: one pass")
+    parser.add_argument("--caches", default="fp16-gqa-static-step,kvq-int4-static-step")
     args = parser.parse_args()
     model = decode_model("cuda", llama3_8b_like())
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
     max_tokens = args.prompt + args.new_tokens + WARM_STEPS + 1
     chosen = [cache for cache in DECODE_CACHES if cache.name in args.caches.split(",")]
+    chunk = args.prefill_chunk or None
     for cache in chosen:
         decode_run(model, cache.loop, cache.setup(model, args.batch, max_tokens), prompt,
-                   args.new_tokens + WARM_STEPS)
+                   args.new_tokens + WARM_STEPS, chunk, cache.attention)
         measure = step_loop_profile if cache.loop == "step" else generate_profile
-        step_s, per_step = measure(model, cache, prompt, args.new_tokens, max_tokens)
+        step_s, per_step = measure(model, cache, prompt, args.new_tokens, max_tokens, chunk)
         busy_ms = sum(per_step.values()) / 1e3
         print(f"\n{cache.label}: {1e3 * step_s:.2f} ms/step on the GPU timeline, {busy_ms:.2f} ms of it in kernels")
         for name, us in sorted(per_step.items(), key=lambda item: -item[1])[:12]:
