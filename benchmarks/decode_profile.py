@@ -9,7 +9,8 @@ A generate row runs one untimed generate (compilation), then two generates under
 run-to-run variation. A step-loop row (`kvq.generate.generate`) runs once untimed, then again with the
 profiler started after its prefill and first steps (the GPU drained first), so its kernels are decode steps
 only. Busy is the sum of the GPU kernels' durations per step; a step longer than its busy time waited on the
-host or on gaps between kernels. The top kernels say which of them fill the busy time.
+host or on gaps between kernels. The top kernels say which of them fill the busy time, and the count of kernels a
+step runs says how much of it is launches of small ones.
 """
 
 import argparse
@@ -24,29 +25,35 @@ from kvq.generate import decode_routing, generate
 WARM_STEPS = 4
 
 
-def kernel_times(trace) -> collections.Counter:
-    """Microseconds per kernel name over the profiled region (device-side events only)."""
-    times = collections.Counter()
+def kernel_times(trace) -> tuple[collections.Counter, int]:
+    """Microseconds per kernel name over the profiled region (device-side events only), and how many kernels ran:
+    at one token most of a step's kernels are latency-bound, so their number prices the step as much as their
+    bytes."""
+    times, launches = collections.Counter(), 0
     for event in trace.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             times[event.name] += event.device_time
-    return times
+            launches += 1
+    return times, launches
 
 
 def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
-                     prefill_chunk: int | None) -> tuple[float, dict]:
-    times, runs = [], []
+                     prefill_chunk: int | None) -> tuple[float, dict, float]:
+    times, launches, runs = [], [], []
     for tokens in (WARM_STEPS, new_tokens + WARM_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             runs.append(decode_run(model, cache.loop, cache.setup(model, prompt.shape[0], max_tokens), prompt,
                                    tokens, prefill_chunk, cache.attention))
-        times.append(kernel_times(trace))
+        run_times, run_launches = kernel_times(trace)
+        times.append(run_times)
+        launches.append(run_launches)
     steps = runs[1].steps_s[WARM_STEPS:]
-    return sum(steps) / len(steps), {name: (us - times[0][name]) / new_tokens for name, us in times[1].items()}
+    per_step = {name: (us - times[0][name]) / new_tokens for name, us in times[1].items()}
+    return sum(steps) / len(steps), per_step, (launches[1] - launches[0]) / new_tokens
 
 
 def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
-                      prefill_chunk: int | None) -> tuple[float, dict]:
+                      prefill_chunk: int | None) -> tuple[float, dict, float]:
     kv = cache.setup(model, prompt.shape[0], max_tokens)["past_key_values"]
     trace = profile(activities=[ProfilerActivity.CUDA])
     clock = StepClock(prompt.device)
@@ -63,7 +70,8 @@ def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
     torch.cuda.synchronize()
     trace.stop()
     steps = clock.seconds()[1][WARM_STEPS:]
-    return sum(steps) / len(steps), {name: us / len(steps) for name, us in kernel_times(trace).items()}
+    times, launches = kernel_times(trace)
+    return sum(steps) / len(steps), {name: us / len(steps) for name, us in times.items()}, launches / len(steps)
 
 
 def main() -> None:
@@ -83,9 +91,10 @@ def main() -> None:
         decode_run(model, cache.loop, cache.setup(model, args.batch, max_tokens), prompt,
                    args.new_tokens + WARM_STEPS, chunk, cache.attention)
         measure = step_loop_profile if cache.loop == "step" else generate_profile
-        step_s, per_step = measure(model, cache, prompt, args.new_tokens, max_tokens, chunk)
+        step_s, per_step, launches = measure(model, cache, prompt, args.new_tokens, max_tokens, chunk)
         busy_ms = sum(per_step.values()) / 1e3
-        print(f"\n{cache.label}: {1e3 * step_s:.2f} ms/step on the GPU timeline, {busy_ms:.2f} ms of it in kernels")
+        print(f"\n{cache.label}: {1e3 * step_s:.2f} ms/step on the GPU timeline, {busy_ms:.2f} ms of it in "
+              f"{launches:.0f} kernels")
         for name, us in sorted(per_step.items(), key=lambda item: -item[1])[:12]:
             print(f"  {us / 1e3:7.3f} ms/step  {name[:110]}")
 
