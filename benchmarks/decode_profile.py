@@ -26,9 +26,8 @@ WARM_STEPS = 4
 
 
 def kernel_times(trace) -> tuple[collections.Counter, int]:
-    """Microseconds per kernel name over the profiled region (device-side events only), and how many kernels ran:
-    at one token most of a step's kernels are latency-bound, so their number prices the step as much as their
-    bytes."""
+    """Microseconds per kernel name over the profiled region (device-side events only), and how many kernels ran
+    (a latency-bound kernel costs its launch whatever bytes it moves)."""
     times, launches = collections.Counter(), 0
     for event in trace.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -39,17 +38,16 @@ def kernel_times(trace) -> tuple[collections.Counter, int]:
 
 def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
                      prefill_chunk: int | None) -> tuple[float, dict, float]:
-    times, launches, runs = [], [], []
+    profiles, runs = [], []
     for tokens in (WARM_STEPS, new_tokens + WARM_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             runs.append(decode_run(model, cache.loop, cache.setup(model, prompt.shape[0], max_tokens), prompt,
                                    tokens, prefill_chunk, cache.attention))
-        run_times, run_launches = kernel_times(trace)
-        times.append(run_times)
-        launches.append(run_launches)
+        profiles.append(kernel_times(trace))
+    (short_times, short_launches), (long_times, long_launches) = profiles
     steps = runs[1].steps_s[WARM_STEPS:]
-    per_step = {name: (us - times[0][name]) / new_tokens for name, us in times[1].items()}
-    return sum(steps) / len(steps), per_step, (launches[1] - launches[0]) / new_tokens
+    per_step = {name: (us - short_times[name]) / new_tokens for name, us in long_times.items()}
+    return sum(steps) / len(steps), per_step, (long_launches - short_launches) / new_tokens
 
 
 def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
