@@ -2,15 +2,16 @@
 timeline, on `kvq bench decode`'s model, for its compiled rows.
 
     python benchmarks/decode_profile.py [--prompt 32768] [--batch 1] [--new-tokens 16] [--prefill-chunk 4096]
-                                        [--caches a,b]
+                                        [--caches a,b] [--top 12]
 
 A generate row runs one untimed generate (compilation), then two generates under torch.profiler, of 4 and of
 4 + new-tokens tokens: their difference is new-tokens decode steps, the prefill cancelling up to its own
 run-to-run variation. A step-loop row (`kvq.generate.generate`) runs once untimed, then again with the
 profiler started after its prefill and first steps (the GPU drained first), so its kernels are decode steps
-only. Busy is the sum of the GPU kernels' durations per step; a step longer than its busy time waited on the
-host or on gaps between kernels. The top kernels say which of them fill the busy time, and the count of kernels a
-step runs says how much of it is launches of small ones.
+only. Busy is the time per step at least one GPU kernel runs; a step longer than its busy time waited on the host
+or on gaps between kernels. The kernels' durations sum to more than busy where they overlap: a kernel launched
+early (programmatic dependent launch) counts its wait for the one before. The top kernels say which of them fill
+the busy time, and the count of kernels a step runs says how much of it is launches of small ones.
 """
 
 import argparse
@@ -25,33 +26,41 @@ from kvq.generate import decode_routing, generate
 WARM_STEPS = 4
 
 
-def kernel_times(trace) -> tuple[collections.Counter, int]:
-    """Microseconds per kernel name over the profiled region (device-side events only), and how many kernels ran
-    (a latency-bound kernel costs its launch whatever bytes it moves)."""
-    times, launches = collections.Counter(), 0
+def kernel_times(trace) -> tuple[collections.Counter, int, float]:
+    """Microseconds per kernel name over the profiled region (device-side events only), how many kernels ran (a
+    latency-bound kernel costs its launch whatever bytes it moves), and the microseconds at least one ran: a kernel
+    launched early under programmatic dependent launch waits inside its own duration, so durations overlap and
+    their sum overstates the busy time."""
+    times, launches, spans = collections.Counter(), 0, []
     for event in trace.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             times[event.name] += event.device_time
             launches += 1
-    return times, launches
+            spans.append((event.time_range.start, event.time_range.end))
+    busy, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        busy += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return times, launches, busy
 
 
 def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
-                     prefill_chunk: int | None) -> tuple[float, dict, float]:
+                     prefill_chunk: int | None) -> tuple[float, dict, float, float]:
     profiles, runs = [], []
     for tokens in (WARM_STEPS, new_tokens + WARM_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             runs.append(decode_run(model, cache.loop, cache.setup(model, prompt.shape[0], max_tokens), prompt,
                                    tokens, prefill_chunk, cache.attention))
         profiles.append(kernel_times(trace))
-    (short_times, short_launches), (long_times, long_launches) = profiles
+    (short_times, short_launches, short_busy), (long_times, long_launches, long_busy) = profiles
     steps = runs[1].steps_s[WARM_STEPS:]
     per_step = {name: (us - short_times[name]) / new_tokens for name, us in long_times.items()}
-    return sum(steps) / len(steps), per_step, (long_launches - short_launches) / new_tokens
+    return (sum(steps) / len(steps), per_step, (long_launches - short_launches) / new_tokens,
+            (long_busy - short_busy) / new_tokens)
 
 
 def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
-                      prefill_chunk: int | None) -> tuple[float, dict, float]:
+                      prefill_chunk: int | None) -> tuple[float, dict, float, float]:
     kv = cache.setup(model, prompt.shape[0], max_tokens)["past_key_values"]
     trace = profile(activities=[ProfilerActivity.CUDA])
     clock = StepClock(prompt.device)
@@ -68,8 +77,9 @@ def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
     torch.cuda.synchronize()
     trace.stop()
     steps = clock.seconds()[1][WARM_STEPS:]
-    times, launches = kernel_times(trace)
-    return sum(steps) / len(steps), {name: us / len(steps) for name, us in times.items()}, launches / len(steps)
+    times, launches, busy = kernel_times(trace)
+    return (sum(steps) / len(steps), {name: us / len(steps) for name, us in times.items()}, launches / len(steps),
+            busy / len(steps))
 
 
 def main() -> None:
@@ -79,6 +89,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=0, help="prefill chunk in tokens; 0: one pass")
     parser.add_argument("--caches", default="fp16-gqa-static-step,kvq-int4-static-step")
+    parser.add_argument("--top", type=int, default=12, help="how many of the longest kernels to list per row")
     args = parser.parse_args()
     model = decode_model("cuda", llama3_8b_like())
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
@@ -89,11 +100,11 @@ def main() -> None:
         decode_run(model, cache.loop, cache.setup(model, args.batch, max_tokens), prompt,
                    args.new_tokens + WARM_STEPS, chunk, cache.attention)
         measure = step_loop_profile if cache.loop == "step" else generate_profile
-        step_s, per_step, launches = measure(model, cache, prompt, args.new_tokens, max_tokens, chunk)
-        busy_ms = sum(per_step.values()) / 1e3
-        print(f"\n{cache.label}: {1e3 * step_s:.2f} ms/step on the GPU timeline, {busy_ms:.2f} ms of it in "
-              f"{launches:.0f} kernels")
-        for name, us in sorted(per_step.items(), key=lambda item: -item[1])[:12]:
+        step_s, per_step, launches, busy_us = measure(model, cache, prompt, args.new_tokens, max_tokens, chunk)
+        print(f"\n{cache.label}: {1e3 * step_s:.2f} ms/step on the GPU timeline, {busy_us / 1e3:.2f} ms of it with "
+              f"a kernel running; {launches:.0f} kernels, their durations summing to "
+              f"{sum(per_step.values()) / 1e3:.2f} ms")
+        for name, us in sorted(per_step.items(), key=lambda item: -item[1])[:args.top]:
             print(f"  {us / 1e3:7.3f} ms/step  {name[:110]}")
 
 
