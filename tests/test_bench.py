@@ -91,6 +91,38 @@ def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_bes
     assert "floor_ms" not in d
 
 
+@pytest.mark.parametrize("spec", [None, ("srft", 4, "per_group", 32)], ids=["fp16", "kvq-int4"])
+def test_a_warm_up_on_one_prefill_chunk_compiles_every_graph_the_whole_prompt_runs(spec):
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    from kvq.generate import decode_routing, generate, static_cache
+    from kvq.quant import QuantSpec
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=256)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, config.vocab_size, (1, 40))
+    spec = spec and QuantSpec(*spec)
+
+    def run(ids: torch.Tensor, kwargs: dict) -> None:
+        with torch.no_grad(), decode_routing(model, kwargs["past_key_values"], None):
+            generate(model, ids, kwargs["past_key_values"], 6, prefill_chunk=16, compiled=True)
+
+    warm = {"past_key_values": static_cache(model, spec, 1, 48, 16)}
+    assert torch.equal(decode.warmup_prompt(prompt, 16, warm), prompt[:, :16])
+    run(decode.warmup_prompt(prompt, 16, warm), warm)
+    graphs = counters["stats"]["unique_graphs"]
+    run(prompt, {"past_key_values": static_cache(model, spec, 1, 48, 16)})
+    assert counters["stats"]["unique_graphs"] == graphs
+    # a cache that grows with the prompt, one generate builds for it, or an unchunked prefill: the whole prompt
+    for kwargs, chunk in (({"past_key_values": DynamicCache(config=config)}, 16),
+                          ({"cache_implementation": "static"}, 16), (warm, None)):
+        assert decode.warmup_prompt(prompt, chunk, kwargs) is prompt
+
+
 def test_unknown_decode_cache_is_an_error_naming_it():
     with pytest.raises(Exception, match="unknown decode cache 'fp8'"):
         decode.decode_caches(("kvq-int4", "fp8"))

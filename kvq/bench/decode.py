@@ -269,6 +269,20 @@ def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int
     return _Run(prefill_s, steps_s, held, peak)
 
 
+def warmup_prompt(prompt: torch.Tensor, prefill_chunk: int | None, kwargs: dict) -> torch.Tensor:
+    """The prompt a row's untimed warm-up decodes with generate's keyword arguments `kwargs`: its first prefill chunk
+    alone where the prefill is chunked into a cache of fixed shapes (a compileable one, allocated whole for the
+    run's tokens), else the whole prompt. A decode step over such a cache compiles to the same graph and kernels
+    however many tokens it holds, and every chunk's memory peak is the first's, so the short warm-up still compiles
+    what the timed runs run and still finds a row that does not fit; at long contexts the prefill it skips is most
+    of a row's time. A cache that grows with the prompt, or one generate builds for the prompt's length, warms up on
+    the whole prompt."""
+    held = kwargs.get("past_key_values")
+    if prefill_chunk is None or not getattr(held, "is_compileable", False):
+        return prompt
+    return prompt[:, :prefill_chunk]
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -283,8 +297,8 @@ def release_memory(device: torch.device) -> None:
 def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, new_tokens: int,
                  repeats: int, prefill_chunk: int | None, progress: Callable[[str], None]) -> list[dict]:
     """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
-    one untimed generate of the same length (allocator and kernel warm-up, and a compiled row's
-    compilation); then the caches take turns run by run, with Python's garbage collector held off, so
+    one untimed generate of as many tokens (allocator and kernel warm-up, and a compiled row's compilation) from
+    warmup_prompt; then the caches take turns run by run, with Python's garbage collector held off, so
     drift in the host's speed (runs of one cache vary by 2x on a shared host) falls on all of them alike.
     A cache that cannot run (unavailable here, or out of memory) gives a row that says why. `progress` hears of
     each warm-up and each round of turns as it starts."""
@@ -295,8 +309,9 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
     for cache in caches:
         progress(f"prompt {length} x {batch}: warming up {cache.name}")
         try:
-            decode_run(model, cache.loop, cache.setup(model, batch, max_tokens), prompt, new_tokens, prefill_chunk,
-                       cache.attention)
+            kwargs = cache.setup(model, batch, max_tokens)
+            decode_run(model, cache.loop, kwargs, warmup_prompt(prompt, prefill_chunk, kwargs), new_tokens,
+                       prefill_chunk, cache.attention)
             ready.append(cache)
         except CacheUnavailable as exc:
             skipped.append({**where, "cache": cache.label, "skipped": str(exc)})
