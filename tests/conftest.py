@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -10,6 +11,17 @@ import pytest
 import torch
 
 torch.manual_seed(0)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker takes its share of the cores: torch would take all of them in every worker, and
+    OpenMP threads that outnumber the cores wait on one another. The environment passes the count on to the kvq
+    processes a test starts, so they measure with the same threads as the test itself."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def has_builtin_models() -> bool:
