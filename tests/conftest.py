@@ -19,7 +19,8 @@ def pytest_configure(config):
     processes a test starts, so they measure with the same threads as the test itself."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // int(workers))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
