@@ -95,7 +95,7 @@ def bench_decode(
     record, path = started
 
     def keep(partial: dict) -> None:
-        # an interrupted bench keeps the prompts and batches it finished, marked incomplete (no finding)
+        # an interrupted bench keeps the timed rounds it finished, marked incomplete (no finding)
         write_json_atomic(path, {**record, "result": partial, "complete": False})
         typer.echo(f"kvq bench decode: rows so far in {path}", err=True)
 

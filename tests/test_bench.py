@@ -13,9 +13,17 @@ def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_r
     heard, so_far = [], []
     result = decode.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2, batches=(1, 2),
                                  progress=heard.append, on_rows=so_far.append)
-    # the rows so far, once per prompt and batch as it ends: batch 1's, then all
-    assert [{row["batch"] for row in partial["rows"]} for partial in so_far] == [{1}, {1, 2}]
-    assert so_far[-1] == result and so_far[0]["rows"] == result["rows"][:len(so_far[0]["rows"])]
+    # the rows so far after each round but a prompt and batch's last, and as each prompt and batch ends: batch 1's
+    # first round, batch 1's, batch 1's and batch 2's first round, then all
+    assert [{row["batch"] for row in partial["rows"]} for partial in so_far] == [{1}, {1}, {1, 2}, {1, 2}]
+    assert so_far[-1] == result and so_far[1]["rows"] == result["rows"][:len(so_far[1]["rows"])]
+    for batch, first_round, finished in ((1, so_far[0], so_far[1]), (2, so_far[2], so_far[3])):
+        running, done = ([row for row in result_so_far["rows"] if row["batch"] == batch]
+                         for result_so_far in (first_round, finished))
+        assert [row["cache"] for row in running] == [row["cache"] for row in done]
+        for partial, row in zip(running, done, strict=True):
+            if "skipped" not in row:
+                assert partial["ms_per_token_runs"] == row["ms_per_token_runs"][:1]
     # a warm-up per cache, then each round of turns, as each starts
     ready = {cache.label for cache in decode.DECODE_CACHES} - {row["cache"] for row in result["rows"] if
                                                                 "skipped" in row and row["batch"] == 1}

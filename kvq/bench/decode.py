@@ -295,13 +295,15 @@ def release_memory(device: torch.device) -> None:
 
 
 def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, new_tokens: int,
-                 repeats: int, prefill_chunk: int | None, progress: Callable[[str], None]) -> list[dict]:
+                 repeats: int, prefill_chunk: int | None, progress: Callable[[str], None],
+                 on_round: Callable[[list[dict]], None] = lambda _: None) -> list[dict]:
     """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
     one untimed generate of as many tokens (allocator and kernel warm-up, and a compiled row's compilation) from
     warmup_prompt; then the caches take turns run by run, with Python's garbage collector held off, so
     drift in the host's speed (runs of one cache vary by 2x on a shared host) falls on all of them alike.
     A cache that cannot run (unavailable here, or out of memory) gives a row that says why. `progress` hears of
-    each warm-up and each round of turns as it starts."""
+    each warm-up and each round of turns as it starts; `on_round` hears the rows of the rounds so far after every
+    round but the last."""
     batch, length = prompt.shape
     max_tokens = length + new_tokens
     where = {"prompt": length, "batch": batch}
@@ -327,9 +329,17 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
             for cache in ready:
                 runs[cache.label].append(decode_run(model, cache.loop, cache.setup(model, batch, max_tokens),
                                                      prompt, new_tokens, prefill_chunk, cache.attention))
+            if repeat + 1 < repeats:
+                on_round(_timed_rows(model, ready, runs, prompt) + skipped)
     finally:
         if collecting:
             gc.enable()
+    return _timed_rows(model, ready, runs, prompt) + skipped
+
+
+def _timed_rows(model, ready: list[DecodeCache], runs: dict[str, list[_Run]], prompt: torch.Tensor) -> list[dict]:
+    """A row per cache from its timed runs so far."""
+    batch, length = prompt.shape
     run_medians = {label: [statistics.median(run.steps_s) * 1e3 for run in timed] for label, timed in runs.items()}
     baseline = run_medians[ready[0].label] if ready else []
     rows = []
@@ -338,7 +348,7 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
         steps = [step for run in timed for step in run.steps_s]
         held = timed[-1].held_bytes
         rows.append({
-            **where, "cache": cache.label, "precision": cache.precision,
+            "prompt": length, "batch": batch, "cache": cache.label, "precision": cache.precision,
             "ms_per_token": statistics.median(steps) * 1e3, "ms_per_token_mean": statistics.mean(steps) * 1e3,
             "ms_per_token_runs": run_medians[cache.label],
             # runs of one repeat are adjacent in time, so their ratio cancels most of the host's drift
@@ -351,7 +361,7 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
                 _fp16_kv_bytes(model.config, batch, length) if cache.precision == "fp16" else None),
             "peak_bytes": max((run.peak_bytes for run in timed if run.peak_bytes is not None), default=None),
         })
-    return rows + skipped
+    return rows
 
 
 def _weight_read_bytes(model) -> int:
@@ -404,22 +414,25 @@ def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, confi
     """ms/token per cache and decode loop at each prompt length and batch (see _decode_rows), on a random-weight
     fp16 Llama of `config` (Llama-3-8B's by default); every cache prefills in chunks of `prefill_chunk` tokens
     (generate's prefill_chunk_size) if given. `progress` hears what starts, as a line; `on_rows` hears the result
-    so far each time a prompt and batch is done, so a caller can keep what an interrupted bench measured."""
+    so far after each timed round and each prompt and batch, so a caller can keep what an interrupted bench
+    measured (a row's `ms_per_token_runs` says how many rounds it has)."""
     model = decode_model(device, config or llama3_8b_like())
     config = model.config
     bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
     weight_bytes = _weight_read_bytes(model)
     rows = []
 
-    def result() -> dict:
+    def result(running: list[dict] = ()) -> dict:
+        """The finished prompts' and batches' rows, then the rows of one still running."""
         return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens,
                 "repeats": repeats, "prefill_chunk": prefill_chunk, "copy_bandwidth_Bps": bandwidth,
-                "rows": list(_with_floors(rows, weight_bytes, bandwidth))}
+                "rows": list(_with_floors(rows + list(running), weight_bytes, bandwidth))}
 
     for batch in batches:
         for length in prompts:
             prompt = torch.randint(0, config.vocab_size, (batch, length), device=device)
-            rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk, progress)
+            rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk, progress,
+                                 on_round=lambda partial: on_rows(result(partial)))
             release_memory(prompt.device)
             on_rows(result())
     return result()
