@@ -7,7 +7,7 @@ import gc
 import itertools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -422,7 +422,7 @@ def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, confi
     weight_bytes = _weight_read_bytes(model)
     rows = []
 
-    def result(running: list[dict] = ()) -> dict:
+    def result(running: Sequence[dict] = ()) -> dict:
         """The finished prompts' and batches' rows, then the rows of one still running."""
         return {"model": "Llama-3-8B architecture, random fp16 weights", "new_tokens": new_tokens,
                 "repeats": repeats, "prefill_chunk": prefill_chunk, "copy_bandwidth_Bps": bandwidth,
