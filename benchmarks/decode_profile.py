@@ -20,7 +20,7 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvq.bench.decode import DECODE_CACHES, StepClock, decode_model, decode_run, llama3_8b_like, warmup_prompt
+from kvq.bench.decode import DECODE_CACHES, StepClock, decode_model, decode_run, llama3_8b_like, warm_up
 from kvq.generate import decode_routing, generate
 
 WARM_STEPS = 4
@@ -97,9 +97,7 @@ def main() -> None:
     chosen = [cache for cache in DECODE_CACHES if cache.name in args.caches.split(",")]
     chunk = args.prefill_chunk or None
     for cache in chosen:
-        kwargs = cache.setup(model, args.batch, max_tokens)
-        decode_run(model, cache.loop, kwargs, warmup_prompt(prompt, chunk, kwargs), args.new_tokens + WARM_STEPS,
-                   chunk, cache.attention)
+        warm_up(model, cache, prompt, max_tokens, args.new_tokens + WARM_STEPS, chunk)
         measure = step_loop_profile if cache.loop == "step" else generate_profile
         step_s, per_step, launches, busy_us = measure(model, cache, prompt, args.new_tokens, max_tokens, chunk)
         print(f"\n{cache.label}: {1e3 * step_s:.2f} ms/step on the GPU timeline, {busy_us / 1e3:.2f} ms of it with "

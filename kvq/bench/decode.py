@@ -283,6 +283,15 @@ def warmup_prompt(prompt: torch.Tensor, prefill_chunk: int | None, kwargs: dict)
     return prompt[:, :prefill_chunk]
 
 
+def warm_up(model, cache: DecodeCache, prompt: torch.Tensor, max_tokens: int, tokens: int,
+            prefill_chunk: int | None) -> None:
+    """One untimed decode of `tokens` tokens through a fresh `cache` row of `max_tokens` tokens, from warmup_prompt:
+    allocator and kernel warm-up, and a compiled row's compilation. Raises what the row's setup or run raises."""
+    kwargs = cache.setup(model, prompt.shape[0], max_tokens)
+    decode_run(model, cache.loop, kwargs, warmup_prompt(prompt, prefill_chunk, kwargs), tokens, prefill_chunk,
+               cache.attention)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -298,9 +307,9 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
                  repeats: int, prefill_chunk: int | None, progress: Callable[[str], None],
                  on_round: Callable[[list[dict]], None] = lambda _: None) -> list[dict]:
     """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
-    one untimed generate of as many tokens (allocator and kernel warm-up, and a compiled row's compilation) from
-    warmup_prompt; then the caches take turns run by run, with Python's garbage collector held off, so
-    drift in the host's speed (runs of one cache vary by 2x on a shared host) falls on all of them alike.
+    one untimed generate of as many tokens (warm_up); then the caches take turns run by run, with Python's garbage
+    collector held off, so drift in the host's speed (runs of one cache vary by 2x on a shared host) falls on all of
+    them alike.
     A cache that cannot run (unavailable here, or out of memory) gives a row that says why. `progress` hears of
     each warm-up and each round of turns as it starts; `on_round` hears the rows of the rounds so far after every
     round but the last."""
@@ -311,9 +320,7 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
     for cache in caches:
         progress(f"prompt {length} x {batch}: warming up {cache.name}")
         try:
-            kwargs = cache.setup(model, batch, max_tokens)
-            decode_run(model, cache.loop, kwargs, warmup_prompt(prompt, prefill_chunk, kwargs), new_tokens,
-                       prefill_chunk, cache.attention)
+            warm_up(model, cache, prompt, max_tokens, new_tokens, prefill_chunk)
             ready.append(cache)
         except CacheUnavailable as exc:
             skipped.append({**where, "cache": cache.label, "skipped": str(exc)})
