@@ -7,8 +7,9 @@ branch on: attention reads the codes of positions before n - window and the ring
 window positions, n being the tokens written, and a prompt attends to itself exactly: kvq.protocol's
 Protocol(window, exact_prefill=True), the papers' generation protocol. Under `fused_decoding` a one-token step
 attends straight from the codes (kvq.ops.decode_attention, the token counts read from a device tensor); every
-call's `update` returns the whole buffer dequantized with the exact rows in place, which any attention
-implementation reads under the usual static-cache mask.
+call's `update` returns the buffer dequantized with the exact rows in place, which any attention implementation
+reads under the usual static-cache mask: the whole buffer in a compiled call, the positions written in an eager
+one (a prefill chunk then reads the prompt so far, not the capacity).
 
 KIVI's keys share a scale and an offset per channel over a group of tokens: a write quantizes the whole groups
 it touches, the last one from its tokens written so far (rows past them repeat the newest, which moves no min or
@@ -97,8 +98,18 @@ class StaticKVLayer(CacheLayerMixin):
         if self.unpadded and query.is_cuda:
             self.attend(query[..., -1:, :], 1.0)
 
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.max_cache_len, 0
+    def get_mask_sizes(self, query, *args, **kwargs) -> tuple[int, int]:
+        """The whole buffer for a compiled call, whose shapes are fixed; an eager one (a prefill chunk) sees the
+        positions written by its end, as `update` returns them, so it attends over the prompt so far, not the
+        capacity. `query`: the call's query length, or its cache positions (transformers before 5.2x)."""
+        if torch.compiler.is_compiling():
+            return self.max_cache_len, 0
+        written = int(self.length) if self.is_initialized else 0
+        return written + (query if isinstance(query, int) else query.shape[-1]), 0
+
+    def _visible(self) -> int:
+        """The leading positions `update` returns: those written, outside a compiled call (`get_mask_sizes`)."""
+        return self.max_cache_len if torch.compiler.is_compiling() else int(self.length)
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -140,7 +151,8 @@ class StaticExactLayer(StaticKVLayer):
         self.keys.index_copy_(2, written, key_states)
         self.values.index_copy_(2, written, value_states)
         self.length.add_(key_states.shape[-2])
-        return self.keys, self.values
+        visible = self._visible()
+        return self.keys[..., :visible, :], self.values[..., :visible, :]
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         written = (self.positions < self.length).view(1, 1, 1, -1)
@@ -214,7 +226,8 @@ class StaticQuantizedLayer(StaticKVLayer):
         self.length.add_(new)
         window = self.length.clamp(max=self.window)
         self.counts.copy_(((self.length - window) << 32 | window).reshape(1))
-        return tuple(self.attention_ready(role).index_copy(2, written, states)
+        visible = self._visible()
+        return tuple(self.attention_ready(role, visible).index_copy(2, written, states)
                      for role, states in zip(ROLES, (key_states, value_states), strict=True))
 
     def _calibrate(self, role: str, states: torch.Tensor) -> None:
@@ -244,17 +257,23 @@ class StaticQuantizedLayer(StaticKVLayer):
         self.packed[role].codes.index_copy_(2, positions, codes)
         _copy_rows(self.packed[role].scales, start // group + torch.arange(span // group, device=self.device), scales)
 
-    def attention_ready(self, role: str) -> torch.Tensor:
-        """(B, H, max_cache_len, d): the codes dequantized, the window's positions exact from the ring. update
-        also puts its own tokens in exact: a prompt (or a prefill chunk) attends to itself exactly (kvq.protocol's
-        exact_prefill), and decode steps see the window exact and the rest quantized."""
-        packed = self.packed[role]
-        dequantized = ops.dequantize(packed.codes, packed.scales, self.forms[role], self.dtype)
-        dequantized = dequantized[..., :self.max_cache_len, :]
-        # The window's positions n - window .. n - 1; while fewer than `window` tokens are written the leading
-        # ones wrap to the buffer's unwritten tail, which the causal mask hides.
+    def attention_ready(self, role: str, visible: int) -> torch.Tensor:
+        """(B, H, visible, d): the leading positions' codes dequantized, the window's positions exact from the
+        ring. update also puts its own tokens in exact: a prompt (or a prefill chunk) attends to itself exactly
+        (kvq.protocol's exact_prefill), and decode steps see the window exact and the rest quantized."""
+        packed, group = self.packed[role], self.forms[role].layout.token_group
+        rows = -(-visible // group) * group
+        dequantized = ops.dequantize(packed.codes[..., :rows, :], packed.scales[..., :rows // group, :],
+                                     self.forms[role], self.dtype)[..., :visible, :]
+        # The window's positions n - window .. n - 1. While fewer than `window` tokens are written, the leading
+        # ones wrap to the tail: past the visible positions (dropped) or, in the whole buffer, unwritten ones
+        # the causal mask hides.
         in_window = (self.length - self.window + self.positions[:self.window]) % self.max_cache_len
-        return dequantized.index_copy(2, in_window, self.ring[role].index_select(2, in_window % self.window))
+        ring = self.ring[role].index_select(2, in_window % self.window)
+        if visible < self.max_cache_len:
+            shown = in_window < visible
+            in_window, ring = in_window[shown], ring[..., shown, :]
+        return dequantized.index_copy(2, in_window, ring)
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """From the codes and the ring."""

@@ -199,15 +199,20 @@ def test_a_layer_whose_keys_are_centered_is_refused_naming_it():
         StaticQuantizedCache(centered, model.config, max_cache_len=16, window=4)
 
 
-def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():
+def test_writing_past_capacity_raises_and_an_eager_update_returns_the_positions_written():
+    """Outside a compiled call, update returns the positions written so far, the kv length get_mask_sizes gave
+    the mask before it: a prefill chunk attends over (and dequantizes) the prompt so far, not the capacity."""
     model = tiny("llama")
     cache = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=12, window=4)
     layer = cache.layers[0]
     keys, values = (torch.randn(1, 2, 10, 32) for _ in range(2))
+    assert cache.get_mask_sizes(10, 0) == (10, 0)
     full_keys, _ = layer.update(keys, values)
-    assert full_keys.shape == (1, 2, 12, 32)
-    torch.testing.assert_close(full_keys[:, :, :10], keys)  # the prompt's own rows come back exact
-    step_keys, _ = layer.update(keys[:, :, :1], values[:, :, :1])  # outside fused_decoding: the whole cache
+    assert full_keys.shape == (1, 2, 10, 32)
+    torch.testing.assert_close(full_keys, keys)  # the prompt's own rows come back exact
+    assert cache.get_mask_sizes(torch.arange(10, 11), 0) == (11, 0)  # transformers' older cache_position form
+    step_keys, _ = layer.update(keys[:, :, :1], values[:, :, :1])
+    assert step_keys.shape == (1, 2, 11, 32)
     torch.testing.assert_close(step_keys[:, :, 7:11], torch.cat([keys[:, :, 7:10], keys[:, :, :1]], dim=2))
     assert not torch.equal(step_keys[:, :, :7], keys[:, :, :7])  # older rows are the codes' values
     with pytest.raises(KvqError, match="holds 12 tokens; writing 2 more after 11"):
