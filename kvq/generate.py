@@ -14,6 +14,7 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.gqa_attention import GQA_SDPA_ATTENTION, gqa_sdpa
+from kvq.static_cache import StaticQuantizedCache, reading_written
 
 # gpt-fast's compile settings: a CUDA graph per step ("reduce-overhead") and coordinate-descent tuning, under
 # which inductor turns one-row matmuls (batch-1 decode's weight GEMVs) into reductions it tunes to the memory
@@ -152,11 +153,12 @@ def generate(model, prompts, cache, max_new_tokens: int, *, sampling: Sampling =
         positions = torch.arange(length, device=device).expand(batch, length)
     chunk = prefill_chunk or length
     keyword = cache_keyword(model)
-    for start in range(0, length, chunk):
-        end = min(start + chunk, length)
-        visible = None if mask is None else mask[:, :capacity or end]
-        logits = _logits(model, cache, ids[:, start:end], torch.arange(start, end, device=device),
-                         positions[:, start:end], visible, keyword)
+    with reading_written(cache):
+        for start in range(0, length, chunk):
+            end = min(start + chunk, length)
+            visible = None if mask is None else mask[:, :capacity or end]
+            logits = _logits(model, cache, ids[:, start:end], torch.arange(start, end, device=device),
+                             positions[:, start:end], visible, keyword)
     generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     token = choose(logits, sampling, generator)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
@@ -204,7 +206,6 @@ def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, 
 
     from kvq.apply import QuantizerBank, kv_geometry
     from kvq.policy import SitePolicy
-    from kvq.static_cache import StaticQuantizedCache
 
     if spec is None:
         return StaticCache(config=model.config, max_cache_len=max_cache_len)
@@ -266,7 +267,6 @@ def decode_routing(model, cache, attention: str | None = None):
     """The context a decode with `cache` runs in: kvq's fused attention for kvq's caches, else the attention
     implementation named (only kvq.gqa_attention's is known), else none."""
     from kvq.cache import QuantizedKVCache, fused_decoding
-    from kvq.static_cache import StaticQuantizedCache
 
     if isinstance(cache, (QuantizedKVCache, StaticQuantizedCache)):
         return fused_decoding(model, cache)

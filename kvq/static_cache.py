@@ -7,9 +7,9 @@ branch on: attention reads the codes of positions before n - window and the ring
 window positions, n being the tokens written, and a prompt attends to itself exactly: kvq.protocol's
 Protocol(window, exact_prefill=True), the papers' generation protocol. Under `fused_decoding` a one-token step
 attends straight from the codes (kvq.ops.decode_attention, the token counts read from a device tensor); every
-call's `update` returns the buffer dequantized with the exact rows in place, which any attention implementation
-reads under the usual static-cache mask: the whole buffer in a compiled call, the positions written in an eager
-one (a prefill chunk then reads the prompt so far, not the capacity).
+call's `update` returns the whole buffer dequantized with the exact rows in place, which any attention
+implementation reads under the usual static-cache mask; inside `reading_written` an eager call's mask and update
+cover the positions written alone (kvq.generate's prefill reads the prompt so far, not the capacity).
 
 KIVI's keys share a scale and an offset per channel over a group of tokens: a write quantizes the whole groups
 it touches, the last one from its tokens written so far (rows past them repeat the newest, which moves no min or
@@ -21,6 +21,9 @@ A per-site policy (kvq.policy) gives layers their own layouts, K and V codes of 
 layers it keeps exact (`use: fp`) hold plain fp K/V that a decode step reads with SDPA over each K/V head once
 (`StaticExactLayer`). Sliding-window layers stay transformers' static sliding layers.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +55,7 @@ class StaticKVLayer(CacheLayerMixin):
         # Set by the attention function at prefill: whether every query row sees every written position (no
         # padding), the condition for `attend`, which takes no mask
         self.unpadded = False
+        self.written_only = False  # set inside `reading_written`
 
     def _start(self, key_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -99,17 +103,19 @@ class StaticKVLayer(CacheLayerMixin):
             self.attend(query[..., -1:, :], 1.0)
 
     def get_mask_sizes(self, query, *args, **kwargs) -> tuple[int, int]:
-        """The whole buffer for a compiled call, whose shapes are fixed; an eager one (a prefill chunk) sees the
-        positions written by its end, as `update` returns them, so it attends over the prompt so far, not the
-        capacity. `query`: the call's query length, or its cache positions (transformers before 5.2x)."""
-        if torch.compiler.is_compiling():
+        """The whole buffer, or under `reading_written` the positions written by the call's end, as `update`
+        returns them. `query`: the call's query length, or its cache positions (transformers before 5.2x)."""
+        if not self._reads_written():
             return self.max_cache_len, 0
         written = int(self.length) if self.is_initialized else 0
         return written + (query if isinstance(query, int) else query.shape[-1]), 0
 
+    def _reads_written(self) -> bool:
+        return self.written_only and not torch.compiler.is_compiling()
+
     def _visible(self) -> int:
-        """The leading positions `update` returns: those written, outside a compiled call (`get_mask_sizes`)."""
-        return self.max_cache_len if torch.compiler.is_compiling() else int(self.length)
+        """The leading positions `update` returns."""
+        return int(self.length) if self._reads_written() else self.max_cache_len
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -284,6 +290,23 @@ class StaticQuantizedLayer(StaticKVLayer):
         super().reset()
         if self.is_initialized:
             self.counts.zero_()
+
+
+@contextmanager
+def reading_written(cache) -> Iterator[None]:
+    """Inside the block, the eager calls into kvq's static layers of `cache` see only the positions written by their
+    end: `get_mask_sizes` sizes the mask so and `update` returns those rows, so a prefill chunk attends over (and
+    dequantizes) the prompt so far, not the whole capacity. For callers whose forward makes its mask itself, in the
+    same eager call as the updates (kvq.generate's prefill): transformers' generate makes a compiled forward's mask
+    outside it, where the two would disagree. Other layers, and compiled calls, keep the whole buffer."""
+    layers = [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, StaticKVLayer)]
+    for layer in layers:
+        layer.written_only = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.written_only = False
 
 
 def _copy_rows(buffer: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:

@@ -4,6 +4,8 @@ Its semantics are kvq.protocol's Protocol(window, exact_prefill=True): the eager
 attention is the reference it must match.
 """
 
+import contextlib
+
 import pytest
 import torch
 from conftest import DEVICES, requires_cuda, requires_models
@@ -23,7 +25,7 @@ from kvq.errors import KvqError
 from kvq.policy import SitePolicy, parse_policy
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
-from kvq.static_cache import StaticExactLayer, StaticQuantizedCache, StaticQuantizedLayer
+from kvq.static_cache import StaticExactLayer, StaticQuantizedCache, StaticQuantizedLayer, reading_written
 
 WINDOW = 8
 LOGIT_TOLERANCE = 2e-2  # compiled against eager fp16 logits of the tiny models (of order 1)
@@ -199,24 +201,46 @@ def test_a_layer_whose_keys_are_centered_is_refused_naming_it():
         StaticQuantizedCache(centered, model.config, max_cache_len=16, window=4)
 
 
-def test_writing_past_capacity_raises_and_an_eager_update_returns_the_positions_written():
-    """Outside a compiled call, update returns the positions written so far, the kv length get_mask_sizes gave
-    the mask before it: a prefill chunk attends over (and dequantizes) the prompt so far, not the capacity."""
+def test_writing_past_capacity_raises_and_an_update_returns_the_whole_cache():
     model = tiny("llama")
     cache = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=12, window=4)
     layer = cache.layers[0]
     keys, values = (torch.randn(1, 2, 10, 32) for _ in range(2))
-    assert cache.get_mask_sizes(10, 0) == (10, 0)
+    assert cache.get_mask_sizes(10, 0) == (12, 0)
     full_keys, _ = layer.update(keys, values)
-    assert full_keys.shape == (1, 2, 10, 32)
-    torch.testing.assert_close(full_keys, keys)  # the prompt's own rows come back exact
-    assert cache.get_mask_sizes(torch.arange(10, 11), 0) == (11, 0)  # transformers' older cache_position form
-    step_keys, _ = layer.update(keys[:, :, :1], values[:, :, :1])
-    assert step_keys.shape == (1, 2, 11, 32)
+    assert full_keys.shape == (1, 2, 12, 32)
+    torch.testing.assert_close(full_keys[:, :, :10], keys)  # the prompt's own rows come back exact
+    step_keys, _ = layer.update(keys[:, :, :1], values[:, :, :1])  # outside fused_decoding: the whole cache
     torch.testing.assert_close(step_keys[:, :, 7:11], torch.cat([keys[:, :, 7:10], keys[:, :, :1]], dim=2))
     assert not torch.equal(step_keys[:, :, :7], keys[:, :, :7])  # older rows are the codes' values
     with pytest.raises(KvqError, match="holds 12 tokens; writing 2 more after 11"):
         layer.update(keys[:, :, :2], values[:, :, :2])
+
+
+@pytest.mark.parametrize("window", [3, 8])
+def test_reading_written_gives_the_written_rows_of_the_whole_cache_and_a_mask_of_their_length(window):
+    """Under reading_written an eager call's mask covers the positions written by its end and update returns the
+    leading rows of what it returns outside: the same codes' values, the same exact window (one shorter than the
+    prompt so far, or longer), for a layer written in two calls."""
+    model = tiny("llama")
+    keys, values = (torch.randn(1, 2, 7, 32) for _ in range(2))
+    returned = {}
+    for written_only in (False, True):
+        cache = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=12, window=window)
+        layer = cache.layers[0]
+        with reading_written(cache) if written_only else contextlib.nullcontext():
+            sizes = [cache.get_mask_sizes(5, 0)]
+            first = layer.update(keys[:, :, :5], values[:, :, :5])
+            sizes.append(cache.get_mask_sizes(torch.arange(5, 7), 0))  # transformers' older cache_position form
+            second = layer.update(keys[:, :, 5:], values[:, :, 5:])
+        assert not layer.written_only
+        returned[written_only] = (sizes, first, second)
+    assert returned[False][0] == [(12, 0), (12, 0)]
+    assert returned[True][0] == [(5, 0), (7, 0)]
+    for whole, written, length in zip(returned[False][1:], returned[True][1:], (5, 7), strict=True):
+        for whole_role, written_role in zip(whole, written, strict=True):
+            assert written_role.shape[-2] == length
+            assert torch.equal(written_role, whole_role[..., :length, :])
 
 
 @requires_cuda
