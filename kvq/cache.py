@@ -346,8 +346,7 @@ def fused_decoding(model: torch.nn.Module, cache) -> Iterator[None]:
     for module in modules:
         module.kvq_fused_layer = fused[module.layer_idx]
     for layer in fused.values():
-        if isinstance(layer, FusedLayer):  # a static layer's update returns the whole cache whether rerouted or not
-            layer.rerouted = True
+        layer.rerouted = True
     restore = switch_attention(model, FUSED_ATTENTION)
     try:
         yield
@@ -356,5 +355,4 @@ def fused_decoding(model: torch.nn.Module, cache) -> Iterator[None]:
         for module in modules:
             del module.kvq_fused_layer
         for layer in fused.values():
-            if isinstance(layer, FusedLayer):
-                layer.rerouted = False
+            layer.rerouted = False

@@ -56,6 +56,7 @@ class StaticKVLayer(CacheLayerMixin):
         # padding), the condition for `attend`, which takes no mask
         self.unpadded = False
         self.written_only = False  # set inside `reading_written`
+        self.rerouted = False  # set while kvq.cache.fused_decoding routes the model's attention to `attend`
 
     def _start(self, key_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -232,6 +233,8 @@ class StaticQuantizedLayer(StaticKVLayer):
         self.length.add_(new)
         window = self.length.clamp(max=self.window)
         self.counts.copy_(((self.length - window) << 32 | window).reshape(1))
+        if new == 1 and self.rerouted and self.unpadded:  # attend() reads the codes; what update returns goes unread
+            return key_states, value_states
         visible = self._visible()
         return tuple(self.attention_ready(role, visible).index_copy(2, written, states)
                      for role, states in zip(ROLES, (key_states, value_states), strict=True))

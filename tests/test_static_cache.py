@@ -194,6 +194,24 @@ def test_left_padded_batches_give_the_tokens_of_batch_one_runs(device):
     assert torch.equal(batch, torch.cat(alone))
 
 
+def test_a_step_that_attends_from_the_codes_returns_its_own_rows_and_one_through_a_mask_the_whole_cache():
+    """Under fused_decoding an unpadded cache's decode step attends from the codes (attend), so its update returns
+    the new rows alone, with no dequantized buffer made for it; a padded batch's step reads the codes through
+    SDPA's mask, so its update returns the whole buffer, as it does outside fused_decoding."""
+    model = tiny("llama")
+    prompt = torch.randint(1, 101, (1, 9), generator=torch.Generator().manual_seed(3))
+    padding = torch.ones_like(prompt)
+    padding[:, 0] = 0
+    for mask, rows in ((None, 1), (padding, 48)):
+        cache = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=48, window=WINDOW)
+        layer = cache.layers[0]
+        with fused_decoding(model, cache):
+            greedy(model, cache, prompt, 2, mask)
+            step = layer.ring["k"][..., :1, :].clone()
+            assert layer.update(step, step)[0].shape[-2] == rows
+        assert layer.update(step, step)[0].shape[-2] == 48
+
+
 def test_a_layer_whose_keys_are_centered_is_refused_naming_it():
     model = tiny("qwen2")
     centered = bank_for(model, policy=parse_policy({"layers": [{"layers": [1], "k": {"center": "bias"}}]}))
