@@ -110,15 +110,17 @@ def bench_memory(
     context: int = typer.Option(32768, min=64, help="the context of the largest-batch search, in tokens"),
     caches: str = typer.Option("fp16,kvq-int4", help="comma-separated subset of: fp16, kvq-int4, "
                                                              "kvq-int4-fp-boundary, kvq-k8v4, kvq-kivi4, kvq-kivi2, "
-                                                             "kvq-turbo4, kvq-mxfp4, kvq-nvfp4, kvq-fp8, "
+                                                             "kvq-turbo4, kvq-turbo3, kvq-mxfp4, kvq-nvfp4, kvq-fp8, "
                                                              "kvq-fp8-tensor"),
     prefill_chunk: int = typer.Option(4096, min=1, help="tokens of the prefill chunk each probe runs"),
+    device_memory: int = typer.Option(None, min=1, help="bytes of a smaller device of the same kind to emulate (its "
+                                                        "torch total_memory; an 80 GB H100's is 85017493504)"),
     out: Path = typer.Option(Path("runs/bench")),
     results: Path = typer.Option(Path("RESULTS.md")),
     device: str = device_option(),
 ):
     """The largest batch at a context and the longest context at batch 1 that fit, per static cache (Llama-3-8B
-    shapes, random weights; CUDA only)."""
+    shapes, random weights; CUDA only), on the device or on a smaller one it emulates."""
     from kvq.bench import memory, tables
 
     if not device.startswith("cuda"):
@@ -127,5 +129,5 @@ def bench_memory(
     unknown = [name for name in chosen if name not in memory.MEMORY_CACHES]
     if unknown:
         raise KvqError(f"--caches: unknown cache {unknown[0]!r}; known: {', '.join(memory.MEMORY_CACHES)}")
-    result = memory.bench_memory(device, context, chosen, prefill_chunk)
+    result = memory.bench_memory(device, context, chosen, prefill_chunk, device_memory)
     _record_bench("memory", result, tables.memory_table(result), device, out, results)

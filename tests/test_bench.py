@@ -2,6 +2,8 @@
 step loop against generate."""
 
 import pytest
+import torch
+from conftest import requires_cuda
 from transformers import LlamaConfig
 
 from kvq.bench import decode, tables
@@ -142,6 +144,39 @@ def test_the_memory_search_finds_the_largest_fitting_multiple():
     assert largest(lambda n: 10 * n if n <= 13 else None, 1, 1) == (13, 130)
     assert largest(lambda n: n if n <= 40000 else None, 8192, 8192) == (32768, 32768)
     assert largest(lambda n: None, 8192, 8192) == (0, None)
+
+
+def test_a_memory_table_names_the_device_it_emulates_and_the_one_it_ran_on():
+    row = {"cache": "fp16", "context": 32768, "largest_batch": 15, "cache_bytes_at_batch": 15 << 32,
+           "longest_context": 516096, "cache_bytes_at_context": 63 << 30}
+    result = {"device_bytes": 85017493504, "emulated_on_bytes": None, "weight_bytes": 16 << 30, "prefill_chunk": 512,
+              "decode_steps": 8, "rows": [row]}
+    assert tables.memory_table(result).startswith("Device memory 79.2 GiB, weights 16.0 GiB;")
+    emulated = tables.memory_table({**result, "emulated_on_bytes": 150 << 30})
+    assert emulated.startswith("Device memory 79.2 GiB (emulated on a 150.0 GiB device: ")
+    assert "| fp16 | 15 x 32768 | 60.0 | 516096 | 63.0 |" in emulated
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_an_emulated_device_runs_out_of_memory_where_its_capacity_ends():
+    """With the allocator capped for a device of half this one's bytes, an allocation that fits in them (less what
+    the process holds outside the allocator) succeeds and one a tenth past them fails."""
+    from kvq.bench.memory import allocator_fraction
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    room = total // 2 - (total - free - torch.cuda.memory_reserved())
+    torch.cuda.set_per_process_memory_fraction(allocator_fraction("cuda", total // 2))
+    try:
+        held = torch.empty(int(room * 0.9) - torch.cuda.memory_allocated(), dtype=torch.uint8, device="cuda")
+        del held
+        torch.cuda.empty_cache()
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(room * 1.1), dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
 
 
 def test_the_cli_help_names_every_cache_a_bench_takes():

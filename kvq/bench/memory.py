@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from kvq.bench.decode import FP_BOUNDARY, K8_V4, cache_bytes, decode_model, llama3_8b_like, release_memory
+from kvq.errors import KvqError
 from kvq.generate import decode_routing, generate, static_cache
 from kvq.gqa_attention import GQA_SDPA_ATTENTION
 from kvq.policy import parse_policy
@@ -21,6 +22,7 @@ MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows: (spec, per-si
     "kvq-kivi4": (QuantSpec("kivi", 4, group_size=32), None, 32),  # the window holds a whole key group
     "kvq-kivi2": (QuantSpec("kivi", 2, group_size=32), None, 32),
     "kvq-turbo4": (QuantSpec("turbo", 4), None, 16),
+    "kvq-turbo3": (QuantSpec("turbo", 3), None, 16),
     "kvq-mxfp4": (QuantSpec("mx"), None, 16),
     "kvq-nvfp4": (QuantSpec("nvfp4"), None, 16),
     "kvq-fp8": (QuantSpec("fp8", options={"scale": "token"}), None, 16),
@@ -69,20 +71,42 @@ def largest(probe: Callable[[int], int | None], start: int, step: int) -> tuple[
     return good, best
 
 
-def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int) -> dict:
+def allocator_fraction(device: str, device_bytes: int) -> float:
+    """The share of this device's memory PyTorch's allocator may take so that it, with what the process holds
+    outside it now (the CUDA context, libraries' own memory), fits in `device_bytes`: a smaller device of the same
+    kind emulated on a larger one."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - torch.cuda.memory_reserved(device)
+    if not outside < device_bytes <= total:
+        raise KvqError(f"--device-memory: {device_bytes} bytes must exceed the {outside} this process holds outside "
+                       f"PyTorch's allocator and be at most the device's {total}")
+    return (device_bytes - outside) / total
+
+
+def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int,
+                 device_bytes: int | None = None) -> dict:
     """Per cache: the largest batch at `context` tokens and the longest context at batch 1, with their caches'
-    bytes and the device's capacity."""
+    bytes and the device's capacity; on a device of `device_bytes` (torch's total_memory) where it is given."""
     config = llama3_8b_like()
     config.max_position_embeddings = 1 << 24  # random weights: any position is as good as another
     model = decode_model(device, config)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if device_bytes is not None:
+        torch.cuda.set_per_process_memory_fraction(allocator_fraction(device, device_bytes), device)
     rows = []
-    for name in caches:
-        kind = MEMORY_CACHES[name]
-        batch, batch_bytes = largest(lambda b, k=kind: fits(model, k, b, context, chunk), 1, 1)
-        longest, longest_bytes = largest(lambda c, k=kind: fits(model, k, 1, c, chunk), CONTEXT_STEP, CONTEXT_STEP)
-        rows.append({"cache": name, "context": context, "largest_batch": batch, "cache_bytes_at_batch": batch_bytes,
-                     "longest_context": longest, "cache_bytes_at_context": longest_bytes})
+    try:
+        for name in caches:
+            kind = MEMORY_CACHES[name]
+            batch, batch_bytes = largest(lambda b, k=kind: fits(model, k, b, context, chunk), 1, 1)
+            longest, longest_bytes = largest(lambda c, k=kind: fits(model, k, 1, c, chunk), CONTEXT_STEP,
+                                             CONTEXT_STEP)
+            rows.append({"cache": name, "context": context, "largest_batch": batch,
+                         "cache_bytes_at_batch": batch_bytes, "longest_context": longest,
+                         "cache_bytes_at_context": longest_bytes})
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     return {"model": "Llama-3-8B architecture, random fp16 weights", "prefill_chunk": chunk,
-            "decode_steps": DECODE_STEPS, "device_bytes": torch.cuda.get_device_properties(device).total_memory,
+            "decode_steps": DECODE_STEPS, "device_bytes": device_bytes or total, "emulated_on_bytes":
+            total if device_bytes else None,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "rows": rows}
 

@@ -65,7 +65,11 @@ def memory_table(result: dict) -> str:
     header = ["cache", "largest batch at context", "its K/V GiB", "longest context at batch 1", "its K/V GiB"]
     rows = [[r["cache"], f"{r['largest_batch']} x {r['context']}", _fmt((r["cache_bytes_at_batch"] or 0) / gib),
              str(r["longest_context"]), _fmt((r["cache_bytes_at_context"] or 0) / gib)] for r in result["rows"]]
-    return (f"Device memory {result['device_bytes'] / gib:.1f} GiB, weights {result['weight_bytes'] / gib:.1f} GiB; "
+    emulated = result.get("emulated_on_bytes")
+    on = (f" (emulated on a {emulated / gib:.1f} GiB device: PyTorch's allocator capped so that it and the process's "
+          "memory outside it fit)" if emulated else "")
+    return (f"Device memory {result['device_bytes'] / gib:.1f} GiB{on}, "
+            f"weights {result['weight_bytes'] / gib:.1f} GiB; "
             f"a setting fits when its static cache, a {result['prefill_chunk']}-token prefill chunk and "
             f"{result['decode_steps']} decode steps run without running out of memory.\n\n"
             + markdown_table(header, rows))
