@@ -1,6 +1,7 @@
 """`kvq bench`: kernel and decode speed, recorded as JSON and a RESULTS.md finding."""
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -17,6 +18,20 @@ def _bench_record(kind: str, device: str, out: Path) -> tuple[dict, Path]:
 
     record = {"bench": kind, **provenance(device)}
     return record, out / f"{kind}-{record['timestamp'][:19].replace(':', '')}.json"
+
+
+def _keep_partial(kind: str, started: tuple[dict, Path]) -> Callable[[dict], None]:
+    """What hears a bench's rows so far: an interrupted bench keeps the rows it finished, marked incomplete (no
+    finding)."""
+    from kvq.store import write_json_atomic
+
+    record, path = started
+
+    def keep(partial: dict) -> None:
+        write_json_atomic(path, {**record, "result": partial, "complete": False})
+        typer.echo(f"kvq bench {kind}: rows so far in {path}", err=True)
+
+    return keep
 
 
 def _record_bench(kind: str, result: dict, table: str, device: str, out: Path, results: Path,
@@ -79,7 +94,6 @@ def bench_decode(
     compiled step loop over the static caches), with each row's bandwidth floor (Llama-3-8B shapes, random
     weights)."""
     from kvq.bench import decode, tables
-    from kvq.store import write_json_atomic
 
     if new_tokens < 2:
         raise KvqError(f"--new-tokens must be at least 2 (ms/token is a difference), got {new_tokens}")
@@ -92,15 +106,8 @@ def bench_decode(
     if min(lengths) < 1 or min(sizes) < 1:
         raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
     started = _bench_record("decode", device, out)
-    record, path = started
-
-    def keep(partial: dict) -> None:
-        # an interrupted bench keeps the timed rounds it finished, marked incomplete (no finding)
-        write_json_atomic(path, {**record, "result": partial, "complete": False})
-        typer.echo(f"kvq bench decode: rows so far in {path}", err=True)
-
     result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
-                                prefill_chunk=prefill_chunk or None, on_rows=keep,
+                                prefill_chunk=prefill_chunk or None, on_rows=_keep_partial("decode", started),
                                 progress=lambda line: typer.echo(f"kvq bench decode: {line}", err=True))
     _record_bench("decode", result, tables.decode_table(result), device, out, results, started)
 
@@ -129,5 +136,7 @@ def bench_memory(
     unknown = [name for name in chosen if name not in memory.MEMORY_CACHES]
     if unknown:
         raise KvqError(f"--caches: unknown cache {unknown[0]!r}; known: {', '.join(memory.MEMORY_CACHES)}")
-    result = memory.bench_memory(device, context, chosen, prefill_chunk, device_memory)
-    _record_bench("memory", result, tables.memory_table(result), device, out, results)
+    started = _bench_record("memory", device, out)
+    result = memory.bench_memory(device, context, chosen, prefill_chunk, device_memory,
+                                 on_rows=_keep_partial("memory", started))
+    _record_bench("memory", result, tables.memory_table(result), device, out, results, started)

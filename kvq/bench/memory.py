@@ -83,19 +83,26 @@ def allocator_fraction(device: str, device_bytes: int) -> float:
     return (device_bytes - outside) / total
 
 
-def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int,
-                 device_bytes: int | None = None) -> dict:
+def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int, device_bytes: int | None = None,
+                 on_rows: Callable[[dict], None] = lambda _: None) -> dict:
     """Per cache: the largest batch at `context` tokens and the longest context at batch 1, with their caches'
-    bytes and the device's capacity; on a device of `device_bytes` (torch's total_memory) where it is given."""
+    bytes and the device's capacity; on a device of `device_bytes` (torch's total_memory) where it is given.
+    `on_rows` hears the result so far after each cache but the last."""
     config = llama3_8b_like()
     config.max_position_embeddings = 1 << 24  # random weights: any position is as good as another
     model = decode_model(device, config)
     total = torch.cuda.get_device_properties(device).total_memory
     if device_bytes is not None:
         torch.cuda.set_per_process_memory_fraction(allocator_fraction(device, device_bytes), device)
+    setting = {"model": "Llama-3-8B architecture, random fp16 weights", "prefill_chunk": chunk,
+               "decode_steps": DECODE_STEPS, "device_bytes": device_bytes or total,
+               "emulated_on_bytes": total if device_bytes else None,
+               "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     rows = []
     try:
         for name in caches:
+            if rows:
+                on_rows({**setting, "rows": list(rows)})
             kind = MEMORY_CACHES[name]
             batch, batch_bytes = largest(lambda b, k=kind: fits(model, k, b, context, chunk), 1, 1)
             longest, longest_bytes = largest(lambda c, k=kind: fits(model, k, 1, c, chunk), CONTEXT_STEP,
@@ -105,8 +112,5 @@ def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int,
                          "cache_bytes_at_context": longest_bytes})
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
-    return {"model": "Llama-3-8B architecture, random fp16 weights", "prefill_chunk": chunk,
-            "decode_steps": DECODE_STEPS, "device_bytes": device_bytes or total, "emulated_on_bytes":
-            total if device_bytes else None,
-            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "rows": rows}
+    return {**setting, "rows": rows}
 
