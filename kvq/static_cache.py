@@ -6,10 +6,11 @@ quantized as it is written (kvq.ops.quantize, no fp16 copy of the prompt kept), 
 branch on: attention reads the codes of positions before n - window and the ring's exact rows of the last
 window positions, n being the tokens written, and a prompt attends to itself exactly: kvq.protocol's
 Protocol(window, exact_prefill=True), the papers' generation protocol. Under `fused_decoding` a one-token step
-attends straight from the codes (kvq.ops.decode_attention, the token counts read from a device tensor); every
-call's `update` returns the whole buffer dequantized with the exact rows in place, which any attention
-implementation reads under the usual static-cache mask; inside `reading_written` an eager call's mask and update
-cover the positions written alone (kvq.generate's prefill reads the prompt so far, not the capacity).
+attends straight from the codes (kvq.ops.decode_attention, the token counts read from a device tensor), and its
+`update` returns the step's own rows, which nothing reads. Every other call's `update` returns the whole buffer
+dequantized with the exact rows in place, which any attention implementation reads under the usual static-cache
+mask; inside `reading_written` an eager call's mask and update cover the positions written alone (kvq.generate's
+prefill reads the prompt so far, not the capacity).
 
 KIVI's keys share a scale and an offset per channel over a group of tokens: a write quantizes the whole groups
 it touches, the last one from its tokens written so far (rows past them repeat the newest, which moves no min or
