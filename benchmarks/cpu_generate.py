@@ -5,7 +5,8 @@ runs, taking turns, median seconds per request and the ratio to fp in the same r
 
 Caches: fp DynamicCache; cache mode as `kvq lmeval --mode cache` runs it (every write quantize-dequantized,
 QuantizedWriteCache); the same under the papers' protocol (`--window 128 --exact-prefill`, window attention);
-kvq's packed QuantizedKVCache (codes and scales held, 16-token exact window).
+kvq's packed QuantizedKVCache (codes and scales held, 16-token exact window); kvq's static cache (the same window)
+through kvq.generate, as `kvq generate --device cpu` runs it.
 """
 
 import argparse
@@ -18,6 +19,7 @@ from kvq import models
 from kvq.apply import quantized_kv
 from kvq.cache import QuantizedKVCache
 from kvq.experiment import make_bank
+from kvq.generate import decode_routing, generate, static_cache
 from kvq.longctx import RetrievalSpec, passkey_docs
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
@@ -48,9 +50,15 @@ def main() -> None:
         cache = QuantizedKVCache(bank, model.config, residual=16)
         return model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, past_key_values=cache)
 
+    def static():
+        cache = static_cache(model, QuantSpec(name, int(bits)), 1, prompt.shape[1] + args.new_tokens)
+        with decode_routing(model, cache):
+            new = generate(model, prompt, cache, args.new_tokens, stop_tokens=[tokenizer.eos_token_id])[0]
+        return torch.cat([prompt[0], new])[None]
+
     rows = {"fp DynamicCache": under(None), "kvq cache mode": under(bank),
             "kvq cache mode, window 128 + exact prefill": under(bank, Protocol(128, True)),
-            "kvq packed QuantizedKVCache": packed}
+            "kvq packed QuantizedKVCache": packed, "kvq static cache, kvq.generate": static}
     seconds: dict[str, list[float]] = {label: [] for label in rows}
     outputs = {}
     with torch.inference_mode():
