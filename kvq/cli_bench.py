@@ -138,5 +138,6 @@ def bench_memory(
         raise KvqError(f"--caches: unknown cache {unknown[0]!r}; known: {', '.join(memory.MEMORY_CACHES)}")
     started = _bench_record("memory", device, out)
     result = memory.bench_memory(device, context, chosen, prefill_chunk, device_memory,
-                                 on_rows=_keep_partial("memory", started))
+                                 on_rows=_keep_partial("memory", started),
+                                 progress=lambda line: typer.echo(f"kvq bench memory: probing {line}", err=True))
     _record_bench("memory", result, tables.memory_table(result), device, out, results, started)

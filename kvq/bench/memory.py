@@ -84,10 +84,11 @@ def allocator_fraction(device: str, device_bytes: int) -> float:
 
 
 def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int, device_bytes: int | None = None,
-                 on_rows: Callable[[dict], None] = lambda _: None) -> dict:
+                 on_rows: Callable[[dict], None] = lambda _: None,
+                 progress: Callable[[str], None] = lambda _: None) -> dict:
     """Per cache: the largest batch at `context` tokens and the longest context at batch 1, with their caches'
     bytes and the device's capacity; on a device of `device_bytes` (torch's total_memory) where it is given.
-    `on_rows` hears the result so far after each cache but the last."""
+    `on_rows` hears the result so far after each cache but the last; `progress`, each probe as it starts."""
     config = llama3_8b_like()
     config.max_position_embeddings = 1 << 24  # random weights: any position is as good as another
     model = decode_model(device, config)
@@ -104,9 +105,13 @@ def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int,
             if rows:
                 on_rows({**setting, "rows": list(rows)})
             kind = MEMORY_CACHES[name]
-            batch, batch_bytes = largest(lambda b, k=kind: fits(model, k, b, context, chunk), 1, 1)
-            longest, longest_bytes = largest(lambda c, k=kind: fits(model, k, 1, c, chunk), CONTEXT_STEP,
-                                             CONTEXT_STEP)
+
+            def probe(batch: int, tokens: int, kind=kind, name=name) -> int | None:
+                progress(f"{name}: {batch} x {tokens}")
+                return fits(model, kind, batch, tokens, chunk)
+
+            batch, batch_bytes = largest(lambda b: probe(b, context), 1, 1)
+            longest, longest_bytes = largest(lambda c: probe(1, c), CONTEXT_STEP, CONTEXT_STEP)
             rows.append({"cache": name, "context": context, "largest_batch": batch,
                          "cache_bytes_at_batch": batch_bytes, "longest_context": longest,
                          "cache_bytes_at_context": longest_bytes})
