@@ -15,6 +15,9 @@ from kvq.static_cache import StaticQuantizedLayer
 
 
 def _static_cache(kind: str, model, batch: int, max_tokens: int):
+    """fp16, kvq's SRFT int4, or KIVI-4 in 16-token key groups (the window holding one)."""
+    if kind == "kivi":
+        return generate.static_cache(model, QuantSpec("kivi", 4, group_size=16), batch, max_tokens, window=16)
     spec = None if kind in ("fp16", "fp16-gqa") else QuantSpec("srft", 4, "per_group", 16)
     return generate.static_cache(model, spec, batch, max_tokens, window=8)
 
@@ -38,7 +41,7 @@ GPU = [requires_cuda, pytest.mark.gpu]
 # checked step by step instead, below).
 # "fp16-gqa": the fp16 static cache under kvq.gqa_attention's SDPA, against generate under transformers' sdpa.
 STEP_LOOPS = [pytest.param("cpu", "fp16", False), pytest.param("cpu", "kvq", False),
-              pytest.param("cpu", "fp16-gqa", False),
+              pytest.param("cpu", "kivi", False), pytest.param("cpu", "fp16-gqa", False),
               pytest.param("cuda", "fp16", False, marks=GPU), pytest.param("cuda", "kvq", False, marks=GPU),
               pytest.param("cuda", "fp16", True, marks=GPU), pytest.param("cuda", "fp16-gqa", True, marks=GPU)]
 
