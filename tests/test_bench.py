@@ -146,6 +146,30 @@ def test_the_memory_search_finds_the_largest_fitting_multiple():
     assert largest(lambda n: None, 8192, 8192) == (0, None)
 
 
+def test_every_memory_cache_decodes_and_fp16_in_kvqs_layers_gives_the_static_caches_tokens():
+    """Each cache `kvq bench memory` probes builds and decodes (on a tiny Llama, on CPU); `fp16-kvq`, every layer
+    exact in kvq's static cache, holds what transformers' StaticCache holds and decodes its greedy tokens."""
+    from transformers import LlamaForCausalLM
+
+    from kvq.bench.memory import MEMORY_CACHES
+    from kvq.generate import decode_routing, generate, static_cache
+    from kvq.policy import parse_policy
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=101,
+                                         initializer_range=0.2)).eval()
+    prompt = torch.randint(1, 101, (2, 40), generator=torch.Generator().manual_seed(1))
+    tokens, held = {}, {}
+    for name, (spec, policy, window) in MEMORY_CACHES.items():
+        cache = static_cache(model, spec, 2, 48, window, policy=parse_policy(policy))
+        with torch.no_grad(), decode_routing(model, cache):
+            tokens[name] = torch.stack(generate(model, prompt, cache, 8))
+        held[name] = decode.cache_bytes(cache)
+    assert torch.equal(tokens["fp16-kvq"], tokens["fp16"])
+    assert held["fp16-kvq"] == held["fp16"]
+
+
 def test_a_memory_table_names_the_device_it_emulates_and_the_one_it_ran_on():
     row = {"cache": "fp16", "context": 32768, "largest_batch": 15, "cache_bytes_at_batch": 15 << 32,
            "longest_context": 516096, "cache_bytes_at_context": 63 << 30}

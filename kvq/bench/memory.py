@@ -14,8 +14,12 @@ from kvq.gqa_attention import GQA_SDPA_ATTENTION
 from kvq.policy import parse_policy
 from kvq.quant import QuantSpec
 
+# Every layer exact: kvq's static cache holding plain fp16 layers, its prefill reading the positions written as its
+# quantized layers' does (transformers' StaticCache attends over its whole capacity, repeating K/V per query head)
+EVERY_LAYER_FP = {"layers": [{"first": 1 << 20, "use": "fp"}]}
 MEMORY_CACHES = {  # the caches of `kvq bench decode`'s step rows: (spec, per-site policy, exact window)
     "fp16": (None, None, 16),
+    "fp16-kvq": (QuantSpec("srft", 4, "per_group", 32), EVERY_LAYER_FP, 16),
     "kvq-int4": (QuantSpec("srft", 4, "per_group", 32), None, 16),
     "kvq-int4-fp-boundary": (QuantSpec("srft", 4, "per_group", 32), FP_BOUNDARY, 16),
     "kvq-k8v4": (QuantSpec("srft", 4, "per_group", 32), K8_V4, 16),
