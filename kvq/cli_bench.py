@@ -115,7 +115,7 @@ def bench_decode(
 @bench_app.command("memory")
 def bench_memory(
     context: int = typer.Option(32768, min=64, help="the context of the largest-batch search, in tokens"),
-    caches: str = typer.Option("fp16,kvq-int4", help="comma-separated subset of: fp16, fp16-kvq, kvq-int4, "
+    caches: str = typer.Option("fp16,fp16-kvq,kvq-int4", help="comma-separated subset of: fp16, fp16-kvq, kvq-int4, "
                                                              "kvq-int4-fp-boundary, kvq-k8v4, kvq-kivi4, kvq-kivi2, "
                                                              "kvq-turbo4, kvq-turbo3, kvq-mxfp4, kvq-nvfp4, kvq-fp8, "
                                                              "kvq-fp8-tensor"),
