@@ -10,6 +10,7 @@ Prints a Markdown table; with --second, per model whether the caches' KL order h
 
 import argparse
 import json
+from pathlib import Path
 
 import pandas as pd
 
@@ -40,7 +41,7 @@ def speed_rows(files: list[str]) -> dict[str, dict]:
     runs keeps the later file's row."""
     rows = {}
     for file in files:
-        result = json.load(open(file))["result"]
+        result = json.loads(Path(file).read_text())["result"]
         for row in result["rows"]:
             if "skipped" not in row:
                 rows[row["precision"]] = {**row, "run": file}

@@ -103,22 +103,21 @@ def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int,
                "decode_steps": DECODE_STEPS, "device_bytes": device_bytes or total,
                "emulated_on_bytes": total if device_bytes else None,
                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+    def probe(name: str, batch: int, tokens: int) -> int | None:
+        progress(f"{name}: {batch} x {tokens}")
+        return fits(model, MEMORY_CACHES[name], batch, tokens, chunk)
+
     rows = []
     try:
         for name in caches:
-            if rows:
-                on_rows({**setting, "rows": list(rows)})
-            kind = MEMORY_CACHES[name]
-
-            def probe(batch: int, tokens: int, kind=kind, name=name) -> int | None:
-                progress(f"{name}: {batch} x {tokens}")
-                return fits(model, kind, batch, tokens, chunk)
-
-            batch, batch_bytes = largest(lambda b: probe(b, context), 1, 1)
-            longest, longest_bytes = largest(lambda c: probe(1, c), CONTEXT_STEP, CONTEXT_STEP)
+            batch, batch_bytes = largest(lambda b, name=name: probe(name, b, context), 1, 1)
+            longest, longest_bytes = largest(lambda c, name=name: probe(name, 1, c), CONTEXT_STEP, CONTEXT_STEP)
             rows.append({"cache": name, "context": context, "largest_batch": batch,
                          "cache_bytes_at_batch": batch_bytes, "longest_context": longest,
                          "cache_bytes_at_context": longest_bytes})
+            if len(rows) < len(caches):
+                on_rows({**setting, "rows": list(rows)})
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     return {**setting, "rows": rows}
