@@ -185,22 +185,20 @@ def test_a_memory_table_names_the_device_it_emulates_and_the_one_it_ran_on():
 @pytest.mark.gpu
 def test_an_emulated_device_runs_out_of_memory_where_its_capacity_ends():
     """With the allocator capped for a device of half this one's bytes, an allocation that fits in them (less what
-    the process holds outside the allocator) succeeds and one a tenth past them fails."""
-    from kvq.bench.memory import allocator_fraction
+    the process holds outside the allocator) succeeds and one a tenth past them fails; after the block it fits."""
+    from kvq.bench.memory import emulated_device
 
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     room = total // 2 - (total - free - torch.cuda.memory_reserved())
-    torch.cuda.set_per_process_memory_fraction(allocator_fraction("cuda", total // 2))
-    try:
+    with emulated_device("cuda", total // 2):  # named as `kvq bench memory --device cuda` names it
         held = torch.empty(int(room * 0.9) - torch.cuda.memory_allocated(), dtype=torch.uint8, device="cuda")
         del held
         torch.cuda.empty_cache()
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(int(room * 1.1), dtype=torch.uint8, device="cuda")
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
+    torch.empty(int(room * 1.1), dtype=torch.uint8, device="cuda")  # the whole device again after the block
 
 
 def test_the_cli_help_names_every_cache_a_bench_takes():

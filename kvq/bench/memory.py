@@ -3,7 +3,8 @@ that fit on the device (Llama-3-8B shapes, random fp16 weights). A setting fits 
 for the whole context, and a prefill chunk and a few decode steps run into it do not run out of device memory;
 the search doubles, then bisects."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -75,16 +76,26 @@ def largest(probe: Callable[[int], int | None], start: int, step: int) -> tuple[
     return good, best
 
 
-def allocator_fraction(device: str, device_bytes: int) -> float:
-    """The share of this device's memory PyTorch's allocator may take so that it, with what the process holds
-    outside it now (the CUDA context, libraries' own memory), fits in `device_bytes`: a smaller device of the same
-    kind emulated on a larger one."""
-    free, total = torch.cuda.mem_get_info(device)
-    outside = total - free - torch.cuda.memory_reserved(device)
+@contextmanager
+def emulated_device(device: str, device_bytes: int | None) -> Iterator[None]:
+    """PyTorch's allocator on `device` capped, while the block runs, so that it and what the process holds outside
+    it now (the CUDA context, libraries' own memory) fit in `device_bytes`: a smaller device of the same kind
+    emulated on a larger one. None leaves the device whole."""
+    if device_bytes is None:
+        yield
+        return
+    index = torch.device(device).index  # torch's allocator settings refuse a device without its index
+    index = torch.cuda.current_device() if index is None else index
+    free, total = torch.cuda.mem_get_info(index)
+    outside = total - free - torch.cuda.memory_reserved(index)
     if not outside < device_bytes <= total:
         raise KvqError(f"--device-memory: {device_bytes} bytes must exceed the {outside} this process holds outside "
                        f"PyTorch's allocator and be at most the device's {total}")
-    return (device_bytes - outside) / total
+    torch.cuda.set_per_process_memory_fraction((device_bytes - outside) / total, index)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int, device_bytes: int | None = None,
@@ -97,8 +108,6 @@ def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int,
     config.max_position_embeddings = 1 << 24  # random weights: any position is as good as another
     model = decode_model(device, config)
     total = torch.cuda.get_device_properties(device).total_memory
-    if device_bytes is not None:
-        torch.cuda.set_per_process_memory_fraction(allocator_fraction(device, device_bytes), device)
     setting = {"model": "Llama-3-8B architecture, random fp16 weights", "prefill_chunk": chunk,
                "decode_steps": DECODE_STEPS, "device_bytes": device_bytes or total,
                "emulated_on_bytes": total if device_bytes else None,
@@ -109,7 +118,7 @@ def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int,
         return fits(model, MEMORY_CACHES[name], batch, tokens, chunk)
 
     rows = []
-    try:
+    with emulated_device(device, device_bytes):
         for name in caches:
             batch, batch_bytes = largest(lambda b, name=name: probe(name, b, context), 1, 1)
             longest, longest_bytes = largest(lambda c, name=name: probe(name, 1, c), CONTEXT_STEP, CONTEXT_STEP)
@@ -118,7 +127,5 @@ def bench_memory(device: str, context: int, caches: tuple[str, ...], chunk: int,
                          "cache_bytes_at_context": longest_bytes})
             if len(rows) < len(caches):
                 on_rows({**setting, "rows": list(rows)})
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
     return {**setting, "rows": rows}
 
