@@ -1,10 +1,12 @@
 """Quality beside speed for the caches `kvq bench decode` runs fused: one row per cache, its KL and dPPL to fp on
 each built-in model (from sweeps of the layout it stores, every key quantized) beside its ms/token, its speed
-against the fair fp16 row of its own bench run and the fraction of its bytes-ideal, and the K/V it holds.
+against the fair fp16 row of its own bench run and the fraction of its bytes-ideal, and the K/V it holds; with
+--memory, what fits of it on the device of a `kvq bench memory` run.
 
 Usage: python scripts/fast_path_table.py --bench runs/bench/decode-A.json [more bench JSON] \
            --studies runs/vq_pareto runs/fast_path runs/gemma3_d256 runs/fast_path_gemma3 \
-           [--second runs/vq_pareto_gpl3 runs/fast_path_gpl3 runs/gemma3_d256_gpl3 runs/fast_path_gemma3_gpl3]
+           [--second runs/vq_pareto_gpl3 runs/fast_path_gpl3 runs/gemma3_d256_gpl3 runs/fast_path_gemma3_gpl3] \
+           [--memory runs/bench/memory-A.json [more memory JSON]]
 Prints a Markdown table; with --second, per model whether the caches' KL order holds on the second corpus.
 """
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 import kvq.results
+from kvq.bench.decode import KVQ_STATIC_LAYOUTS
 
 # a bench row's precision -> the label its layout's cells carry in the sweeps
 STUDY_LABELS = {
@@ -27,6 +30,8 @@ STUDY_LABELS = {
     "turbo3": "turbo-3b",
 }
 MODELS = ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
+# a memory row's cache -> the precision of the decode rows storing the same layout
+PRECISION_OF_CACHE = {"fp16": "fp16"} | {name: precision for name, _, precision, _ in KVQ_STATIC_LAYOUTS}
 
 
 def quality(folders: list[str]) -> pd.DataFrame:
@@ -46,6 +51,17 @@ def speed_rows(files: list[str]) -> dict[str, dict]:
             if "skipped" not in row:
                 rows[row["precision"]] = {**row, "run": file}
     return rows
+
+
+def memory_cells(files: list[str]) -> dict[str, str]:
+    """Per precision: the largest batch at the runs' context and the longest context at one row, each with its
+    ratio to the runs' fp16 cache (the runs are of one device and setting; a cache in two keeps the later one)."""
+    rows = {row["cache"]: row for file in files for row in json.loads(Path(file).read_text())["result"]["rows"]}
+    fp16 = rows["fp16"]
+    return {PRECISION_OF_CACHE[name]: f"{row['largest_batch']} x {row['context'] // 1024}K "
+            f"({row['largest_batch'] / fp16['largest_batch']:.2f}x); {row['longest_context'] / 1e6:.2f}M "
+            f"({row['longest_context'] / fp16['longest_context']:.2f}x)"
+            for name, row in rows.items() if name in PRECISION_OF_CACHE}
 
 
 def cell(summary: pd.DataFrame, model: str, label: str) -> str:
@@ -68,18 +84,22 @@ def main() -> None:
     parser.add_argument("--bench", nargs="+", required=True)
     parser.add_argument("--studies", nargs="+", required=True)
     parser.add_argument("--second", nargs="*", default=[])
+    parser.add_argument("--memory", nargs="*", default=[])
     args = parser.parse_args()
     summary, speed = quality(args.studies), speed_rows(args.bench)
+    fits = memory_cells(args.memory)
     print("| cache | " + " | ".join(f"KL {model} (dPPL; bits)" for model in MODELS)
-          + " | ms/token | vs fair fp16 | of bytes-ideal | K/V MiB | bench run |")
-    print("|---" * (len(MODELS) + 6) + "|")
+          + " | ms/token | vs fair fp16 | of bytes-ideal | K/V MiB |"
+          + (" fits: rows at a context; tokens at one row |" if fits else "") + " bench run |")
+    print("|---" * (len(MODELS) + 6 + bool(fits)) + "|")
     for precision, row in speed.items():
         label = STUDY_LABELS.get(precision)
         kl = [("0 (fp)" if precision == "fp16" else cell(summary, model, label) if label else "not measured")
               for model in MODELS]
         print(f"| {row['cache']} | " + " | ".join(kl) + f" | {row['ms_per_token']:.2f} | "
               f"{row['speedup_vs_best_fp16']:.2f}x | {row['fraction_of_bytes_ideal']:.2f} | "
-              f"{row['cache_bytes'] / 2**20:.0f} | {row['run']} |")
+              f"{row['cache_bytes'] / 2**20:.0f} |" + (f" {fits.get(precision, 'not measured')} |" if fits else "")
+              + f" {row['run']} |")
     if args.second:
         second = quality(args.second)
         print()
