@@ -23,7 +23,8 @@ T, HKV, HQ, D, LAYERS = 32768, 8, 32, 128, 32
 LAYOUTS = {"int4-srft-g32": QuantSpec("srft", 4, "per_group", 32),
            "int4-asym-g32": QuantSpec("srft", 4, "per_group", 32, symmetric=False, scale_dtype="float16"),
            "kivi4": QuantSpec("kivi", 4, group_size=32), "kivi2": QuantSpec("kivi", 2, group_size=32),
-           "turbo4": QuantSpec("turbo", 4), "mxfp4": QuantSpec("mx"),
+           "turbo4": QuantSpec("turbo", 4), "turbo3": QuantSpec("turbo", 3), "mxfp4": QuantSpec("mx"),
+           "int3-srft-g32": QuantSpec("srft", 3, "per_group", 32),
            "nvfp4": QuantSpec("nvfp4"), "fp8-token": QuantSpec("fp8", options={"scale": "token"}),
            "fp8-tensor": QuantSpec("fp8", options={"scale": "tensor"})}
 

@@ -688,6 +688,7 @@ def test_decode_attention_with_per_channel_keys_equals_dequantize_then_sdpa(batc
     (3, 9, 3, 64, 517, 0, 2, 4, torch.float32),
     (1, 4, 1, 256, 1000, 15, 4, 3, torch.float32),
     (1, 14, 2, 64, 1, 1, 3, 3, torch.bfloat16),
+    (1, 8, 2, 128, 777, 5, 5, 8, torch.float16),  # wider codes: their levels gathered, not looked up in registers
 ])
 def test_decode_attention_over_codebook_codes_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens,
                                                                           window, key_bits, value_bits, dtype):

@@ -7,149 +7,28 @@ head, GPUs before sm_80. map_query_kernel maps the query into the codes' domain 
 partials where the CUDA reduce does not serve (head_dim other than 128).
 """
 
-import torch
 import triton
 import triton.language as tl
+
+from kvq.kernels.triton_codes import (
+    HIGH_STEP,
+    SIGNED_HIGH_BIAS,
+    SIGNED_LOW_BIAS,
+    UNSIGNED_BIAS,
+    float_bits_to_f16,
+    levels_held,
+    load_codes,
+)
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
-def _nibbles_to_f16(low: int, high: int, exact: bool) -> tl.constexpr:
-    """Nibbles to fp16 integers: spread 4 bytes over 16-bit lanes, then place each nibble under exponent 1024
-    (fp16 0x6400) by (byte & mask) ^ magic, a low nibble in mantissa bits 0-3 (reads `low` + n), a high one in
-    bits 4-7 (reads `high` + 16 n). Two's-complement codes flip their sign bit on the way ((n & 0xF) ^ 8 =
-    n + 8: magics 0x6408 and 0x6480, reading 1032 + n and 1152 + 16 n); unsigned codes need no flip (0x6400:
-    1024 + n, 1024 + 16 n). Outputs: low nibbles, then high nibbles, of the 4 bytes. Biased (not `exact`), 8
-    values per 6 instructions, serve keys, whose query takes the biases out (see _query_bias); exact ones also
-    subtract them, 8 values per 10 instructions, for values, whose accumulators would otherwise carry the
-    biases across a whole split, where the tensor cores' truncating float32 sums would lose their low bits."""
-    low_magic, high_magic = 0x6400 + low - 1024, 0x6400 + (high - 1024) // 16 * 16
-
-    def pair(half: int) -> str:
-        return f"0x{half:04x}{half:04x}"
-
-    body = f"""
-{{
-.reg .b32 lo, hi;
-prmt.b32 lo, $4, 0, 0x4140;
-prmt.b32 hi, $4, 0, 0x4342;
-lop3.b32 $0, lo, 0x000F000F, {pair(low_magic)}, 0x6a;
-lop3.b32 $1, hi, 0x000F000F, {pair(low_magic)}, 0x6a;
-lop3.b32 $2, lo, 0x00F000F0, {pair(high_magic)}, 0x6a;
-lop3.b32 $3, hi, 0x00F000F0, {pair(high_magic)}, 0x6a;
-"""
-    if exact:  # low + n - low; (high + 16 n) / 16 - high / 16
-        high_bias = torch.tensor(-high / 16, dtype=torch.float16).view(torch.int16).item() & 0xFFFF
-        body += f"""
-.reg .b32 low_bias, high_step, high_bias;
-mov.b32 low_bias, {pair(low_magic)};
-mov.b32 high_step, 0x2c002c00;
-mov.b32 high_bias, {pair(high_bias)};
-sub.f16x2 $0, $0, low_bias;
-sub.f16x2 $1, $1, low_bias;
-fma.rn.f16x2 $2, $2, high_step, high_bias;
-fma.rn.f16x2 $3, $3, high_step, high_bias;
-"""
-    return tl.constexpr(body + "}")
-
-
-# What a biased nibble reads: a signed code n (two's complement) 1032 + n low, 1152 + 16 n high; an unsigned
-# one 1024 + n and 1024 + 16 n
-SIGNED_LOW_BIAS = tl.constexpr(1032.0)
-SIGNED_HIGH_BIAS = tl.constexpr(1152.0)
-UNSIGNED_BIAS = tl.constexpr(1024.0)
-_SIGNED_BIASED = _nibbles_to_f16(1032, 1152, exact=False)
-_SIGNED_EXACT = _nibbles_to_f16(1032, 1152, exact=True)
-_UNSIGNED_BIASED = _nibbles_to_f16(1024, 1024, exact=False)
-_UNSIGNED_EXACT = _nibbles_to_f16(1024, 1024, exact=True)
-HIGH_STEP = tl.constexpr(16.0)
 WINDOW_BLOCK = tl.constexpr(MIN_DOT)  # residual windows are ~16 tokens
 # How a layout's stats are held (the partial's K_SCALES / V_SCALES): none (codes scaled by their layer alone, which
 # the maps carry), as their dtype reads (float32, fp16, E8M0 bytes), or E4M3 bytes (NVFP4's block scales)
 STATS_NONE = tl.constexpr(0)
 STATS_STORED = tl.constexpr(1)
 STATS_E4M3 = tl.constexpr(2)
-
-@triton.jit
-def _load_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr,
-                SIGNED: tl.constexpr, codebook_ptr, CODEBOOK: tl.constexpr, FLOAT_MANTISSA: tl.constexpr):
-    """Even and odd coordinates of a (BLOCK, d) tile of codes as fp16 (codes_ptr: this head's rows of
-    HALF * BITS // 4 bytes): integers, two's complement where SIGNED, else unsigned, int4 ones biased unless EXACT
-    (_nibbles_to_f16); or, where CODEBOOK, the float32 levels at codebook_ptr that the codes index, computed from
-    the codes' bits where they are a float format's with FLOAT_MANTISSA >= 0 mantissa bits (float_bits_to_f16).
-    An exact int4 conversion (values; keys decoded in registers) is marked impure, which pins it where it is written:
-    Triton otherwise moves the tile's layout change ahead of it, to shift bytes rather than halves, and as V's
-    products run over tokens that gathers the bytes one at a time from shared memory."""
-    if CODEBOOK:
-        even, odd = _load_indices(codes_ptr, tokens, valid, BITS, HALF)
-        if FLOAT_MANTISSA >= 0:
-            return float_bits_to_f16(even, BITS, FLOAT_MANTISSA), float_bits_to_f16(odd, BITS, FLOAT_MANTISSA)
-        return tl.load(codebook_ptr + even).to(tl.float16), tl.load(codebook_ptr + odd).to(tl.float16)
-    if BITS == 4:
-        byte = tl.load(codes_ptr + tokens[:, None] * HALF + tl.arange(0, HALF)[None, :],
-                       mask=valid[:, None], other=0)
-        if SIGNED:
-            return _nibbles(byte, _SIGNED_EXACT if EXACT else _SIGNED_BIASED, EXACT)
-        return _nibbles(byte, _UNSIGNED_EXACT if EXACT else _UNSIGNED_BIASED, EXACT)
-    even, odd = _load_indices(codes_ptr, tokens, valid, BITS, HALF)
-    if SIGNED:  # two's complement of BITS bits
-        even = even - ((even >> (BITS - 1)) << BITS)
-        odd = odd - ((odd >> (BITS - 1)) << BITS)
-    return even.to(tl.float16), odd.to(tl.float16)
-
-@triton.jit
-def float_bits_to_f16(code, BITS: tl.constexpr, MANTISSA: tl.constexpr):
-    """fp16 values of a float format's codes (int32: sign, BITS - 1 - MANTISSA exponent bits of bias b =
-    2^(that - 1) - 1, MANTISSA mantissa bits). Its exponent and mantissa fields, placed under fp16's (mantissa
-    aligned at the top), read as 2^(e - 15) (1 + m / 2^M), or 2^-14 m / 2^M for e = 0; the format's value is
-    2^(e - b) (1 + m / 2^M), or 2^(1 - b) m / 2^M: both are the fp16 reading times 2^(15 - b). That product is
-    exact, as every value of these formats (at most 5 exponent bits) is an fp16 value."""
-    MAGNITUDE: tl.constexpr = BITS - 1
-    EXPONENT_BIAS: tl.constexpr = (1 << (MAGNITUDE - MANTISSA - 1)) - 1
-    fields = ((code >> MAGNITUDE) << 15) | ((code & ((1 << MAGNITUDE) - 1)) << (10 - MANTISSA))
-    half = fields.to(tl.uint16).to(tl.float16, bitcast=True)
-    if EXPONENT_BIAS == 15:  # fp16's own exponent field (e5m2)
-        return half
-    rescale: tl.constexpr = float(1 << (15 - EXPONENT_BIAS))
-    return half * tl.full([1, 1], rescale, tl.float16)
-
-@triton.jit
-def _load_indices(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr):
-    """Even and odd coordinates' unsigned codes of a (BLOCK, d) tile as int32 (kvq.quant.packing's little-end-first
-    bit stream per row): 2- and 4-bit codes one byte load per coordinate pair (a 2-bit pair in the low or high half
-    of its byte), int8 one 16-bit load (the low byte the even coordinate), other widths each coordinate's bits from
-    the one or two bytes they span."""
-    pairs = tl.arange(0, HALF)
-    row_bytes: tl.constexpr = HALF * BITS // 4
-    if BITS == 4:  # its own load: a byte index computed as 2-bit codes' is hides the row's contiguity from Triton
-        byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + pairs[None, :], mask=valid[:, None], other=0)
-        byte = byte.to(tl.int32)
-        return byte & 0xF, byte >> 4
-    if BITS == 2:
-        byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + (pairs // 2)[None, :], mask=valid[:, None], other=0)
-        pair = byte.to(tl.int32) >> (4 * (pairs % 2))[None, :]
-        return pair & 3, (pair >> 2) & 3
-    if BITS == 8:
-        words = codes_ptr.to(tl.pointer_type(tl.int16)) + tokens[:, None] * (row_bytes // 2) + pairs[None, :]
-        word = tl.load(words, mask=valid[:, None], other=0).to(tl.int32)
-        return word & 0xFF, (word >> 8) & 0xFF
-    rows = codes_ptr + tokens[:, None] * row_bytes
-    return (_bit_field(rows, 2 * pairs, valid, BITS, row_bytes),
-            _bit_field(rows, 2 * pairs + 1, valid, BITS, row_bytes))
-
-@triton.jit
-def _bit_field(rows, coordinates, valid, BITS: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """The BITS-bit unsigned code of each coordinate in each row (rows: (BLOCK, 1) pointers to row starts)."""
-    bit = coordinates * BITS
-    first = (bit // 8)[None, :]
-    low = tl.load(rows + first, mask=valid[:, None], other=0).to(tl.int32)
-    high = tl.load(rows + first + 1, mask=valid[:, None] & (first + 1 < ROW_BYTES), other=0).to(tl.int32)
-    return ((low | (high << 8)) >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
-
-@triton.jit
-def _nibbles(byte, CONVERSION: tl.constexpr, PINNED: tl.constexpr):
-    return tl.inline_asm_elementwise(CONVERSION, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
-                                     is_pure=not PINNED, pack=4)
 
 @triton.jit
 def _load_scales(scales_ptr, tokens, valid, GROUPS: tl.constexpr, STATS: tl.constexpr):
@@ -394,13 +273,15 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
         q_sums = _query_sums(query, K_NIBBLES)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_packed)
+        k_book = levels_held(keys[2], K_BITS, K_CODEBOOK and K_FLOAT_MANTISSA < 0)
+        v_book = levels_held(values[2], V_BITS, V_CODEBOOK and V_FLOAT_MANTISSA < 0)
         kc = keys[0] + row * (HALF * K_BITS // 4)
         vc = values[0] + row * (HALF * V_BITS // 4)
         vs = values[1] + row * V_STATS
         for t0 in range(start, end, BLOCK):
             tokens = t0 + tl.arange(0, BLOCK)
             valid = tokens < end
-            k_codes = _load_codes(kc, tokens, valid, K_BITS, HALF, not K_NIBBLES, K_SIGNED, keys[2], K_CODEBOOK,
+            k_codes = load_codes(kc, tokens, valid, K_BITS, HALF, not K_NIBBLES, K_SIGNED, k_book, K_CODEBOOK,
                                   K_FLOAT_MANTISSA)
             k_scales = tl.full([1, BLOCK], 1.0, tl.float32)  # where the codes take their scales, or have none
             if K_TOKEN_GROUP > 0:
@@ -412,7 +293,7 @@ def partial_kernel(queries, keys, values, window, partials, lengths_ptr, counts,
             k_offsets = k_scales  # unread without offsets
             if K_OFFSETS and not K_DECODED:
                 k_offsets = _load_scales(ks + K_GROUPS, tokens, valid, K_GROUPS, K_STATS)
-            v_codes = _load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, values[2], V_CODEBOOK,
+            v_codes = load_codes(vc, tokens, valid, V_BITS, HALF, True, V_SIGNED, v_book, V_CODEBOOK,
                                   V_FLOAT_MANTISSA)
             v_scales = tl.full([1, BLOCK], 1.0, tl.float32)
             if V_DECODED:

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.kernels.triton_decode import float_bits_to_f16, per_coordinate
+from kvq.kernels.triton_codes import float_bits_to_f16
+from kvq.kernels.triton_decode import per_coordinate
 from kvq.kernels.triton_launch import launch
 from kvq.quant.layout import E4M3_STATS, MX_SCHEMES, NVFP4_SCHEME, PackedLayout
 from kvq.quant.mx import BLOCK as MX_BLOCK
