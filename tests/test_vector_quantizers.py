@@ -91,7 +91,9 @@ def test_qjl_key_error_decreases_with_sketch_rows():
 
 
 def test_outlier_split_picks_each_groups_largest_channels_and_counts_their_bits():
-    x = torch.randn(1, 2, 70, 64)  # two whole 32-token groups and a 6-token tail
+    # two whole 32-token groups and a 6-token tail; seeded, as in about one draw in seven an ordinary channel 5 is
+    # among the second group's eight largest by chance, and the test's order must not decide that
+    x = torch.randn(1, 2, 70, 64, generator=torch.Generator().manual_seed(0))
     x[..., :32, 5] *= 20  # channel 5 is an outlier in the first group only
     x[..., 32:, 40] *= 20  # channel 40 from the second group on
     q = quantizer("turbo", 2, d=64, outliers=8, outlier_bits=4)
