@@ -209,8 +209,8 @@ def _load_indices(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constex
     if BITS == 4:
         byte = _nibble_bytes(codes_ptr, tokens, valid, HALF).to(tl.int32)
         return byte & 0xF, byte >> 4
-    elif BITS == 2:  # a byte per pair: the row's bytes read once and joined with themselves decode wrong codes
-        # under Triton 3.6 on sm_90 (KIVI-2's GPU tests fail), though right under its interpreter
+    elif BITS == 2:  # a byte per pair: the row's bytes read once and joined with themselves decoded wrong codes
+        # on the GPU (KIVI-2's GPU tests caught it), though right under Triton's interpreter
         byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + (pairs // 2)[None, :], mask=valid[:, None], other=0)
         pair = byte.to(tl.int32) >> (4 * (pairs % 2))[None, :]
         return pair & 3, (pair >> 2) & 3
