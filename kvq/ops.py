@@ -161,7 +161,7 @@ def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetr
     if reason is not None:
         note_fallback("kvq::quantize", layout, reason)
         return reference_quantize(rows, rotation, lam, layout, codebook, layer_scale)
-    return backend_for(rows.device).quantize(layout, kernel_constants(rotation, lam), rows.contiguous())
+    return backend_for(rows.device).quantize(layout, kernel_constants(rotation, lam, codebook), rows.contiguous())
 
 
 def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group, codebook,
@@ -171,7 +171,7 @@ def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rot
     if reason is not None:
         note_fallback("kvq::dequantize", layout, reason)
         return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook, layer_scale)
-    return backend_for(codes.device).dequantize(layout, kernel_constants(rotation, lam), codes.contiguous(),
+    return backend_for(codes.device).dequantize(layout, kernel_constants(rotation, lam, codebook), codes.contiguous(),
                                                 scales.contiguous(), dtype)
 
 

@@ -29,7 +29,7 @@ from kvq.kernels.plan import kernel_constants, kernel_defines, packed_codes, uns
 from kvq.kernels.source import kernel_text, translation_unit
 from kvq.kernels.step import DecodeStep, decode_attention_reference
 from kvq.quant import QuantSpec
-from kvq.quant.codebooks import lloyd_max_gaussian
+from kvq.quant.codebooks import NORM_FLOOR, decode_unit_vector, lloyd_max_gaussian
 from kvq.quant.kivi import KIVI
 from kvq.quant.layout import PackedLayout
 from kvq.quant.packing import unpack
@@ -39,6 +39,7 @@ from kvq.rotations import SRFT, SRHT, Composed, Identity, MatrixRotation
 
 ROTATIONS = {"identity": Identity, "srht": SRHT, "srft": SRFT}
 TIE_WINDOW = 1e-3  # |frac(y / scale)| this close to 0.5 counts as a rounding tie
+MIDPOINT_WINDOW = 1e-5  # a rotated unit vector's coordinate this close to a codebook midpoint counts as a tie
 ROTATION_ULPS = 8  # float32 ulps of a vector's largest coordinate that two builds' rotations may differ by
 
 
@@ -455,6 +456,75 @@ def test_cuda_quantize_kernel_equals_reference(rotation, d, bits, granularity, g
     torch.testing.assert_close(out.float(), q.decode(packed).float(), atol=tolerance * x.float().abs().max(), rtol=0)
 
 
+def _assert_codebook_codes_match_reference(turbo, x: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor,
+                                           label: str) -> None:
+    """A kernel's TurboQuant_mse codes (packed) and fp16 norms against TurboQuant's own encode of x: norms equal, or
+    one fp16 step off where the two float32 norms round to either side of a step (counted), and there the codes
+    are the reference's with the kernel's norm; codes equal but for coordinates of the rotated unit vector within
+    MIDPOINT_WINDOW of a midpoint between levels (counted), and there one level apart."""
+    levels = turbo.packed_form().codebook.to(x.device)
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    reference = turbo.encode(x)
+    ref_norm = reference.norm
+    assert norms.shape == ref_norm.shape and norms.dtype == ref_norm.dtype == torch.float16
+    moved = norms != ref_norm
+    assert ((norms.float() - ref_norm.float()).abs() <= ref_norm.float().abs() * 2.0 ** -10).all()
+    unit = turbo.rotation.forward(x.float() / norms.float().clamp_min(NORM_FLOOR))
+    ref_codes = torch.where(moved, torch.bucketize(unit, midpoints), unpack(reference.codes, turbo.mse_bits,
+                                                                            x.shape[-1], signed=False))
+    kernel_codes = unpack(codes, turbo.mse_bits, x.shape[-1], signed=False)
+    differ = kernel_codes != ref_codes
+    near = (unit[..., None] - midpoints).abs().amin(-1) < MIDPOINT_WINDOW
+    print(f"{label}: {int(moved.sum())} of {moved.numel()} norms one fp16 step from the reference's, "
+          f"{int(differ.sum())} of {differ.numel()} codes differ, all at midpoints")
+    assert not (differ & ~near).any()
+    assert (kernel_codes - ref_codes).abs().max() <= 1
+
+
+TURBO_CASES = [("srft", 128, 4, 3001), ("srft", 128, 3, 777), ("srft", 64, 2, 500), ("srht", 128, 4, 300),
+               ("identity", 256, 3, 200), ("srft", 32, 3, 100), ("srft", 256, 2, 65)]
+
+
+def _turbo(rotation: str, d: int, bits: int, n: int):
+    turbo = QuantizerBank(QuantSpec("turbo", bits, options={"rotation": rotation}), KVGeometry(1, 1, d)).get(0, "k")
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n)) * 3
+    x[0] = 0  # a zero vector: its norm floored before it divides
+    return turbo, x, f"turbo {rotation} d={d} {bits}-bit"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel body for the host")
+@pytest.mark.parametrize("rotation, d, bits, n", TURBO_CASES)
+def test_host_build_writes_and_reads_turboquants_codes_as_its_own_arithmetic(tmp_path, rotation, d, bits, n):
+    """The shared kernel body's codebook build (the CUDA and Metal builds' body) against TurboQuant_mse's own
+    encode (Alg. 1), its decode against TurboQuant's decode of the same codes and norms."""
+    turbo, x, label = _turbo(rotation, d, bits, n)
+    form = turbo.packed_form()
+    assert unsupported_reason(form.layout) is None
+    backend = _HostBackend(form.layout, tmp_path)
+    constants = kernel_constants(form.signs, form.lam, form.codebook)
+    codes, norms = backend.quantize(form.layout, constants, x)
+    _assert_codebook_codes_match_reference(turbo, x, codes, norms.view(n, 1), "host " + label)
+    decoded = backend.dequantize(form.layout, constants, codes, norms, torch.float32)
+    expected = decode_unit_vector(unpack(codes, bits, d, signed=False), norms.view(n, 1), turbo.rotation,
+                                  form.codebook)
+    torch.testing.assert_close(decoded, expected, atol=1e-6 * x.abs().max(), rtol=0)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotation, d, bits, n", [*TURBO_CASES, ("srft", 128, 4, 262144 + 77)])
+def test_cuda_kernel_writes_and_reads_turboquants_codes_as_its_own_arithmetic(rotation, d, bits, n):
+    turbo, x, label = _turbo(rotation, d, bits, n)
+    x = x.cuda()
+    form = turbo.packed_form()
+    codes, norms = ops.quantize(x, form)
+    _assert_codebook_codes_match_reference(turbo, x, codes, norms, "cuda " + label)
+    expected = decode_unit_vector(unpack(codes, bits, d, signed=False), norms, turbo.rotation,
+                                  form.codebook.cuda())
+    torch.testing.assert_close(ops.dequantize(codes, norms, form, torch.float32), expected,
+                               atol=1e-6 * x.abs().max(), rtol=0)
+
+
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("partial", ["cuda", "triton"])
@@ -556,8 +626,8 @@ def test_kivi_layouts_through_the_ops_are_kivis_own_arithmetic(bits, d, group, r
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_turbo_codebook_layout_through_the_ops_is_turboquants_own_arithmetic(bits, rotation, device):
     """TurboQuant_mse's codebook codes: kvq.ops' codes and norms equal TurboQuant's own encode, their decode its
-    decode; and decode attention over them (in the rotated domain, the query mapped by R^T) equals SDPA over the
-    quantizer's decoded K/V."""
+    decode (on CUDA, where the kernels write and read the SRFT's and SRHT's, up to counted ties); and decode
+    attention over them (in the rotated domain, the query mapped by R^T) equals SDPA over the decoded K/V."""
     geometry = KVGeometry(1, 2, 64)
     bank = QuantizerBank(QuantSpec("turbo", bits, options={"rotation": rotation}), geometry)
     forms, states, own = {}, {}, {}
@@ -567,10 +637,17 @@ def test_turbo_codebook_layout_through_the_ops_is_turboquants_own_arithmetic(bit
         forms[role] = turbo.packed_form()
         x = (torch.randn(2, 2, 37, 64, generator=generator) * 3).to(device)
         codes, norms = ops.quantize(x, forms[role])
-        packed = turbo.encode(x)
-        assert torch.equal(codes, packed.codes) and torch.equal(norms, packed.norm)
-        own[role] = turbo.decode(packed)
-        assert torch.equal(ops.dequantize(codes, norms, forms[role], torch.float32), own[role])
+        decoded = ops.dequantize(codes, norms, forms[role], torch.float32)
+        if device == "cuda" and unsupported_reason(forms[role].layout) is None:
+            _assert_codebook_codes_match_reference(turbo, x, codes, norms, f"ops turbo {rotation} {bits}-bit")
+            own[role] = decode_unit_vector(unpack(codes, bits, 64, signed=False), norms, turbo.rotation,
+                                           forms[role].codebook.to(device))
+            torch.testing.assert_close(decoded, own[role], atol=1e-6 * x.abs().max(), rtol=0)
+        else:
+            packed = turbo.encode(x)
+            assert torch.equal(codes, packed.codes) and torch.equal(norms, packed.norm)
+            own[role] = turbo.decode(packed)
+            assert torch.equal(decoded, own[role])
         states[role] = ops.PackedKV.holding(codes, norms, forms[role])
     empty = torch.zeros(2, 2, 0, 64, device=device)
     step = DomainMaps(forms["k"], forms["v"], torch.device(device)).step(states["k"], states["v"], (empty, empty))

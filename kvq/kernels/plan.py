@@ -2,7 +2,9 @@
 
 A kernel covers the PackedLayout of a rotation (identity | SRHT | SRFT) with optional lambda and int4/int8 codes,
 symmetric or with offsets, with fp32 or fp16 scales per token or per power-of-two group, at power-of-two head_dim:
-the SRFT paper's fused kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1). Other layouts take the reference.
+the SRFT paper's fused kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1); and, after the same rotations,
+TurboQuant_mse's codebook codes of 2-4 bits with an fp16 norm per token (its Alg. 1). Other layouts take the
+reference.
 """
 
 import math
@@ -12,12 +14,14 @@ from functools import lru_cache
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from kvq.quant.codebooks import NORM_FLOOR
 from kvq.quant.layout import PackedLayout
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import ScalarPacked
 
 ROTATION_CODES = {"identity": 0, "srht": 1, "srft": 2}
 KERNEL_BITS = (4, 8)
+CODEBOOK_KERNEL_BITS = (2, 3, 4)
 KERNEL_SCALE_DTYPES = (torch.float32, torch.float16)
 THREADS_PER_GROUP = 128  # Metal threadgroups; one vector per thread
 # CUDA blocks: one warp, twelve to an SM (csrc/entry_cuda.cu). Each warp prefetches the rows of the warp
@@ -41,17 +45,26 @@ def unsupported_reason(layout: PackedLayout) -> str | None:
     if layout.token_group > 1:
         return ("the shared kernel body writes stats per token: stats spanning tokens (KIVI's keys) are written by "
                 "Triton on CUDA (kvq.kernels.triton_quantize), else by the reference")
-    if layout.codebook:
-        return "codebook codes are written and read by the reference"
+    if layout.codebook and not _is_turbo_mse(layout):
+        return ("the kernels write and read codebook codes of 2-4 bits with an fp16 norm per token (TurboQuant_mse's); "
+                "other codebook layouts take the reference")
     if layout.rotation not in ROTATION_CODES:
         return f"rotation kind {layout.rotation} has no kernel (learned rotations run in torch)"
-    if layout.bits not in KERNEL_BITS or layout.scale_dtype not in KERNEL_SCALE_DTYPES:
+    if not layout.codebook and (layout.bits not in KERNEL_BITS or layout.scale_dtype not in KERNEL_SCALE_DTYPES):
         return "kernels need int4/int8 codes with float32 or float16 scales"
     if not _power_of_two(layout.head_dim) or not 8 <= layout.head_dim <= 512:
         return f"kernels need a power-of-two head_dim in 8..512, got {layout.head_dim}"
     if not (_power_of_two(layout.group_size) and layout.group_size >= 2):
         return f"kernels need a power-of-two group size >= 2, got {layout.group_size}"
     return None
+
+
+def _is_turbo_mse(layout: PackedLayout) -> bool:
+    """TurboQuant_mse's codes as its own arithmetic writes them (kvq.quant.codebooks.encode_unit_vector), in whole
+    32-bit words per row."""
+    return (layout.scheme == "kvq" and layout.bits in CODEBOOK_KERNEL_BITS and layout.group_size == layout.head_dim
+            and layout.scale_dtype == torch.float16 and not layout.layer_scaled
+            and layout.head_dim * layout.bits % 32 == 0)
 
 
 @lru_cache(maxsize=64)
@@ -61,37 +74,46 @@ def kernel_defines(layout: PackedLayout) -> tuple[tuple[str, int | str], ...]:
     return (("KVQ_D", layout.head_dim), ("KVQ_GROUP", layout.group_size), ("KVQ_BITS", layout.bits),
             ("KVQ_ROT", ROTATION_CODES[layout.rotation]), ("KVQ_BLOCK", CUDA_BLOCK),
             ("KVQ_TWIDDLES", twiddle_literals(layout.head_dim)),
-            ("KVQ_SCALE_HALF", int(layout.scale_dtype == torch.float16)), ("KVQ_ASYM", int(not layout.symmetric)))
+            ("KVQ_SCALE_HALF", int(layout.scale_dtype == torch.float16)), ("KVQ_ASYM", int(not layout.symmetric)),
+            ("KVQ_CODEBOOK", int(layout.codebook)), ("KVQ_NORM_FLOOR", f"{NORM_FLOOR:.8e}f"))
 
 
 @dataclass(frozen=True)
 class KernelConstants:
     """A form's constants as the kernels read them: per element size in bytes (2 or 4), the signs as int32
     XOR masks over the 32-bit words that hold a vector of such elements (a sign flip is exact, and one
-    logic op per word); lambda (floored) and its reciprocal, or None."""
+    logic op per word); lambda (floored) and its reciprocal, or None; the codebook's float32 levels, or None."""
 
     sign_words: dict[int, torch.Tensor]
     lam: tuple[torch.Tensor, torch.Tensor] | None
+    levels: torch.Tensor | None = None
 
     def arguments(self, dtype: torch.dtype, reciprocal: bool) -> list:
-        """sign_words, lambda (its reciprocal for dequantize), has_lam, for vectors of `dtype`."""
+        """sign_words, lambda (its reciprocal for dequantize), has_lam, levels, for vectors of `dtype` (a pointer
+        that its build does not read stands in for an absent lambda or codebook)."""
         words = self.sign_words[dtype.itemsize]
+        levels = words if self.levels is None else self.levels
         if self.lam is None:
-            return [words, words, 0]  # the lambda pointer is unread when has_lam is 0
-        return [words, self.lam[int(reciprocal)], 1]
+            return [words, words, 0, levels]
+        return [words, self.lam[int(reciprocal)], 1, levels]
 
 
-_constants = WeakIdKeyDictionary()  # signs tensor -> (its lambda, their KernelConstants)
+_constants = WeakIdKeyDictionary()  # signs tensor -> (its lambda, its codebook, their KernelConstants)
 
 
-def kernel_constants(signs: torch.Tensor, lam: torch.Tensor | None) -> KernelConstants:
-    """Made once per (signs, lambda) pair of tensors (a form's on a device, PackedForm.on), so a launch
+def kernel_constants(signs: torch.Tensor, lam: torch.Tensor | None,
+                     codebook: torch.Tensor | None = None) -> KernelConstants:
+    """Made once per (signs, lambda, codebook) of tensors (a form's on a device, PackedForm.on), so a launch
     converts nothing."""
+    if lam is not None and codebook is not None:
+        raise ValueError("the kernels' codebook codes take no lambda")
     hit = _constants.get(signs)
-    if hit is None or hit[0] is not lam:
+    if hit is None or hit[0] is not lam or hit[1] is not codebook:
         pair = None if lam is None else (lam.float().contiguous(), 1.0 / lam.float())
-        hit = _constants[signs] = (lam, KernelConstants({size: _sign_masks(signs, size) for size in (2, 4)}, pair))
-    return hit[1]
+        levels = None if codebook is None else codebook.float().contiguous()
+        hit = _constants[signs] = (lam, codebook, KernelConstants(
+            {size: _sign_masks(signs, size) for size in (2, 4)}, pair, levels))
+    return hit[2]
 
 
 def _sign_masks(signs: torch.Tensor, element_bytes: int) -> torch.Tensor:

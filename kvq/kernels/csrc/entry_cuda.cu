@@ -9,7 +9,9 @@
 
 // Each stages what fits: codes and output rows in 32 KB, input rows beside the codes in 40 KB (static
 // shared memory stops at 48 KB).
-#define KVQ_STAGE_CODES (KVQ_BLOCK * KVQ_CODE_BYTES <= 32768)
+// Codes stage as whole words that divide a warp or are whole warps (3-bit codes, 12 words at D = 128, do not).
+#define KVQ_STAGE_CODES (KVQ_BLOCK * KVQ_CODE_BYTES <= 32768 && \
+                         (KVQ_CODE_WORDS <= KVQ_WARP ? KVQ_WARP % KVQ_CODE_WORDS : KVQ_CODE_WORDS % KVQ_WARP) == 0)
 #define KVQ_STAGE_ROWS (KVQ_STAGE_CODES && KVQ_BLOCK * (KVQ_CODE_BYTES + KVQ_IN_CHUNKS * 16) <= 40960)
 #define KVQ_STAGE_OUT (KVQ_BLOCK * KVQ_OUT_CHUNKS * 16 <= 32768)
 
@@ -68,11 +70,12 @@ __device__ __forceinline__ void kvq_prefetch_rows(const KVQ_IN_T* x, uint first,
 
 // Twelve warps per SM at 168 registers: left alone, the staged build took 204 registers, for fewer warps.
 extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 12 * KVQ_WARP / KVQ_BLOCK) kvq_quantize(
-    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, uchar* codes, KVQ_SCALE_T* scales,
-    uint n, uint prefetch_ahead) {
-    uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x, lane = threadIdx.x % KVQ_WARP;
-    uint first = vec - lane;  // the warp's first row; its part of each tile starts at row first % KVQ_BLOCK
+    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, const float* levels, uchar* codes,
+    KVQ_SCALE_T* scales, uint n, uint prefetch_ahead) {
+    uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x;
 #if KVQ_STAGE_CODES
+    uint lane = threadIdx.x % KVQ_WARP;
+    uint first = vec - lane;  // the warp's first row; its part of each tile starts at row first % KVQ_BLOCK
     // Codes as 32-bit words: a 16-way swizzle leaves at most two threads of a warp on one bank. Rows as
     // 16-byte chunks: an 8-way swizzle spreads the 8 threads of each 16-byte access phase over the banks.
     __shared__ uint block_tile[KVQ_BLOCK * KVQ_CODE_WORDS];
@@ -91,27 +94,27 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 12 * KVQ_WARP / KVQ_BLOC
     uint row_swizzle = 0;
 #endif
     if (vec < n) {
-        kvq_quantize_body(row, row_swizzle, sign_words, lam, has_lam, tile + lane * KVQ_CODE_WORDS,
+        kvq_quantize_body(row, row_swizzle, sign_words, lam, has_lam, levels, tile + lane * KVQ_CODE_WORDS,
                           lane & KVQ_SWIZZLE(KVQ_CODE_WORDS, 16), scales, vec);
     }
     __syncwarp();
     kvq_copy_rows<uint, KVQ_CODE_WORDS, 16, false>((uint*)(codes + (kvq_index)first * KVQ_CODE_BYTES), tile, valid);
 #else
     if (vec >= n) return;
-    kvq_quantize_body((const uint4*)(x + (kvq_index)vec * KVQ_D), 0, sign_words, lam, has_lam,
+    kvq_quantize_body((const uint4*)(x + (kvq_index)vec * KVQ_D), 0, sign_words, lam, has_lam, levels,
                       (uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES), 0, scales, vec);
 #endif
 }
 
 extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_dequantize(
     const uchar* codes, const KVQ_SCALE_T* scales, const uint* sign_words, const float* inverse_lam, uint has_lam,
-    KVQ_OUT_T* x, uint n) {
+    const float* levels, KVQ_OUT_T* x, uint n) {
     uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x, lane = threadIdx.x % KVQ_WARP, first = vec - lane;
 #if KVQ_STAGE_OUT
     __shared__ uint4 block_tile[KVQ_BLOCK * KVQ_OUT_CHUNKS];
     uint4* tile = block_tile + (first % KVQ_BLOCK) * KVQ_OUT_CHUNKS;
     if (vec < n) {
-        kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, tile + lane * KVQ_OUT_CHUNKS,
+        kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, levels, tile + lane * KVQ_OUT_CHUNKS,
                             lane & KVQ_SWIZZLE(KVQ_OUT_CHUNKS, 8), vec);
     }
     __syncwarp();
@@ -119,6 +122,7 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_dequantize(
                                                    first < n ? n - first : 0);
 #else
     if (vec >= n) return;
-    kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, (uint4*)(x + (kvq_index)vec * KVQ_D), 0, vec);
+    kvq_dequantize_body(codes, scales, sign_words, inverse_lam, has_lam, levels, (uint4*)(x + (kvq_index)vec * KVQ_D),
+                        0, vec);
 #endif
 }

@@ -24,11 +24,14 @@
 //   KVQ_SCALE_HALF  1: scales are stored as fp16 (ScalarQuantizer's scale_dtype float16), 0: float32
 //   KVQ_ASYM   1: unsigned codes c in 0..2^BITS - 1 decoding as c * scale + offset, a vector's offsets stored after
 //              its scales (ScalarQuantizer's asymmetric codes); 0: two's-complement codes c decoding as c * scale
+//   KVQ_CODEBOOK  1: TurboQuant_mse's codes instead (Alg. 1; BITS 2-4, GROUP D, fp16 scales, no lambda): each
+//              coordinate of the rotated unit vector as the index of its nearest level, the vector's norm as its
+//              one scale; KVQ_NORM_FLOOR the least norm a vector is divided by
 // Host constants (16-byte aligned): sign_words, the rotation's signs as XOR masks over the 32-bit words
 // of the input (quantize) or output (dequantize) element type: a sign flip is exact, so it costs one
 // logic instruction per word instead of a load and a multiply per element; lam (D floats, read when
 // has_lam): lambda floored at RotatedQuantizer's LAMBDA_FLOOR for quantize, its reciprocal for
-// dequantize.
+// dequantize; levels (2^BITS ascending floats, read by codebook builds): the codebook.
 
 #define KVQ_HALF (KVQ_D / 2)
 #define KVQ_GROUPS (KVQ_D / KVQ_GROUP)
@@ -275,6 +278,61 @@ KVQ_DEVICE_FN void kvq_scale_by(KVQ_THREAD float* y, KVQ_GMEM const float* facto
 
 #define KVQ_CODE_WORDS (KVQ_CODE_BYTES / 4)                // 32-bit words of a vector's codes
 
+#if KVQ_CODEBOOK
+#define KVQ_LEVEL_COUNT (1 << KVQ_BITS)
+#define KVQ_CODE_MASK ((1u << KVQ_BITS) - 1u)
+
+// TurboQuant_mse's encode (Alg. 1) of a sign-flipped vector y, as kvq.quant.codebooks.encode_unit_vector: its
+// norm stored in fp16, then each coordinate of R (y / norm) coded as the count of the midpoints below it
+// (torch.bucketize's index: its nearest level), packed little-end first (a code may span two words). The squares
+// are summed in another order than torch's, which the fp16 rounding of the norm hides but within an fp16 ulp of
+// a rounding boundary; the rotation's arithmetic differs from torch's by ~1e-7 of the norm, so a code can differ
+// from the reference's only for a coordinate that close to a midpoint (the tests count both).
+KVQ_DEVICE_FN void kvq_quantize_codebook(KVQ_THREAD float* y, KVQ_GMEM const float* levels, KVQ_GMEM uint* code_words,
+                                         uint code_swizzle, KVQ_GMEM kvq_half* norms, uint vec) {
+    float midpoints[KVQ_LEVEL_COUNT - 1];  // as the reference's: (levels[1:] + levels[:-1]) / 2
+    KVQ_UNROLL for (uint k = 0; k + 1 < KVQ_LEVEL_COUNT; ++k) midpoints[k] = (levels[k + 1] + levels[k]) / 2.0f;
+    float squares = 0.0f;
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) squares = kvq_fma(y[i], y[i], squares);
+    kvq_half stored = kvq_to_half(kvq_sqrt(squares));
+    norms[vec] = stored;
+    float norm = kvq_max(kvq_from_half(stored), KVQ_NORM_FLOOR);
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] = y[i] / norm;
+    kvq_rotate_forward(y);
+    uint words[KVQ_CODE_WORDS];
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) words[w] = 0;
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) {
+        float unit = y[i] * KVQ_ROTATION_NORM;
+        uint code = 0;
+        KVQ_UNROLL for (uint k = 0; k < KVQ_LEVEL_COUNT - 1; ++k) code += unit > midpoints[k] ? 1u : 0u;
+        uint bit = i * KVQ_BITS, shift = bit % 32;
+        words[bit / 32] |= code << shift;
+        if (shift + KVQ_BITS > 32) words[bit / 32 + 1] |= code >> (32 - shift);
+    }
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) code_words[w ^ code_swizzle] = words[w];
+}
+
+// The levels that vector `vec`'s codes index, times KVQ_ROTATION_NORM (what kvq_rotate_inverse takes), each picked
+// by comparisons over the levels held in registers rather than by an index into memory.
+KVQ_DEVICE_FN void kvq_codebook_levels(KVQ_GMEM const uchar* codes, KVQ_GMEM const float* levels,
+                                       KVQ_THREAD float* y, uint vec) {
+    KVQ_GMEM const uint* code_words = (KVQ_GMEM const uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
+    uint words[KVQ_CODE_WORDS];
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) words[w] = code_words[w];
+    float held[KVQ_LEVEL_COUNT];
+    KVQ_UNROLL for (uint k = 0; k < KVQ_LEVEL_COUNT; ++k) held[k] = levels[k];
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) {
+        uint bit = i * KVQ_BITS, shift = bit % 32;
+        uint code = words[bit / 32] >> shift;
+        if (shift + KVQ_BITS > 32) code |= words[bit / 32 + 1] << (32 - shift);
+        code &= KVQ_CODE_MASK;
+        float level = held[0];
+        KVQ_UNROLL for (uint k = 1; k < KVQ_LEVEL_COUNT; ++k) level = code == k ? held[k] : level;
+        y[i] = level * KVQ_ROTATION_NORM;
+    }
+}
+#endif
+
 // Vector `vec`, its row given as 16-byte chunks with chunk c at row[c ^ row_swizzle], to scales
 // (n, KVQ_GROUPS) and its KVQ_CODE_WORDS code words, word w written to code_words[w ^ code_swizzle].
 // An entry may stage rows and codes in shared memory with bank-spreading swizzles and move them to and
@@ -282,7 +340,8 @@ KVQ_DEVICE_FN void kvq_scale_by(KVQ_THREAD float* y, KVQ_GMEM const float* facto
 // aligned: D * size >= 16).
 KVQ_DEVICE_FN void kvq_quantize_body(
     KVQ_GMEM const uint4* row, uint row_swizzle, KVQ_GMEM const uint* sign_words, KVQ_GMEM const float* lam,
-    uint has_lam, KVQ_GMEM uint* code_words, uint code_swizzle, KVQ_GMEM KVQ_SCALE_T* scales, uint vec) {
+    uint has_lam, KVQ_GMEM const float* levels, KVQ_GMEM uint* code_words, uint code_swizzle,
+    KVQ_GMEM KVQ_SCALE_T* scales, uint vec) {
     float y[KVQ_D];
     KVQ_GMEM const uint4* flips = (KVQ_GMEM const uint4*)sign_words;
     KVQ_UNROLL for (uint c = 0; c < KVQ_IN_CHUNKS; ++c) {
@@ -294,6 +353,9 @@ KVQ_DEVICE_FN void kvq_quantize_body(
             }
         }
     }
+#if KVQ_CODEBOOK
+    kvq_quantize_codebook(y, levels, code_words, code_swizzle, scales, vec);
+#else
     kvq_rotate_forward(y);
     if (has_lam) kvq_scale_by(y, lam);
     float inverse[KVQ_GROUPS];
@@ -360,6 +422,7 @@ KVQ_DEVICE_FN void kvq_quantize_body(
         code_words[w ^ code_swizzle] = kvq_low_bytes(rounded[0], rounded[1], rounded[2], rounded[3]);
 #endif
     }
+#endif
 }
 
 // A code's exact value from its bits without an int-to-float conversion (a quarter-rate instruction on
@@ -378,8 +441,15 @@ KVQ_DEVICE_FN float kvq_code_value(uint code_bits) {
 // chunk c to row[c ^ swizzle].
 KVQ_DEVICE_FN void kvq_dequantize_body(
     KVQ_GMEM const uchar* codes, KVQ_GMEM const KVQ_SCALE_T* scales, KVQ_GMEM const uint* sign_words,
-    KVQ_GMEM const float* inverse_lam, uint has_lam, KVQ_GMEM uint4* row, uint swizzle, uint vec) {
+    KVQ_GMEM const float* inverse_lam, uint has_lam, KVQ_GMEM const float* levels, KVQ_GMEM uint4* row, uint swizzle,
+    uint vec) {
     float y[KVQ_D];
+#if KVQ_CODEBOOK
+    kvq_codebook_levels(codes, levels, y, vec);
+    kvq_rotate_inverse(y);
+    float norm = kvq_from_half(scales[vec]);  // TurboQuant_mse's decode: the rotated levels times the norm
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] *= norm;
+#else
     KVQ_GMEM const uint* code_words = (KVQ_GMEM const uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
     KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) {
         uint word = code_words[w];
@@ -399,6 +469,7 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
     }
     if (has_lam) kvq_scale_by(y, inverse_lam);
     kvq_rotate_inverse(y);
+#endif
     KVQ_GMEM const uint4* flips = (KVQ_GMEM const uint4*)sign_words;
     KVQ_UNROLL for (uint c = 0; c < KVQ_OUT_CHUNKS; ++c) {
         uint words[4];
