@@ -52,8 +52,8 @@ METRIC_MODULES = {
 # that it imports none of them).
 ACCELERATOR_MODULES = frozenset({
     "kernels/backends.py", "kernels/cuda_decode.py", "kernels/decode_attention.py", "kernels/decode_graph.py",
-    "kernels/launch.py", "kernels/source.py", "kernels/triton_codes.py", "kernels/triton_decode.py",
-    "kernels/triton_launch.py", "kernels/triton_quantize.py",
+    "kernels/dispatch.py", "kernels/launch.py", "kernels/plan.py", "kernels/source.py", "kernels/triton_codes.py",
+    "kernels/triton_decode.py", "kernels/triton_launch.py", "kernels/triton_quantize.py",
 })
 # What measures every cell, whichever executor runs it.
 MEASURING_ENTRY = "sweep.py"

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvq.kernels import backend_for, note_fallback
-from kvq.kernels.plan import kernel_constants, packed_codes, packed_stats, per_token_stats, unsupported_reason
+from kvq.kernels import note_fallback
+from kvq.kernels.stats import packed_codes, packed_stats, per_token_stats
 from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, device_lengths, packed_read_bytes
 from kvq.quant import fp8, ggml, mlx_affine, mx, nvfp4
 from kvq.quant.base import Packed, Quantizer
@@ -149,30 +149,19 @@ def _(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token
 
 def _kernel_quantize(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
                      codebook, scheme, layer_scale):
+    from kvq.kernels.dispatch import kernel_quantize  # on an accelerator only: CPU cells' digests leave it out
+
     layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, token_group,
                      codebook is not None, scheme, layer_scale is not None)
-    reason = unsupported_reason(layout) if scheme == "kvq" else f"the {scheme} scheme's arithmetic has no kernel"
-    if (layout.token_group > 1 or layout.element is not None) and rows.is_cuda:
-        from kvq.kernels import triton_quantize  # imported on CUDA only, as decode attention's kernels are
-
-        reason = triton_quantize.unsupported_reason(layout, lam)
-        if reason is None:
-            return triton_quantize.quantize(rows, layout, layer_scale)
-    if reason is not None:
-        note_fallback("kvq::quantize", layout, reason)
-        return reference_quantize(rows, rotation, lam, layout, codebook, layer_scale)
-    return backend_for(rows.device).quantize(layout, kernel_constants(rotation, lam, codebook), rows.contiguous())
+    return kernel_quantize(rows, rotation, lam, layout, codebook, layer_scale)
 
 
 def _kernel_dequantize(codes, scales, rotation, lam, bits, dtype, symmetric, rotation_kind, token_group, codebook,
                        layer_scale):
+    from kvq.kernels.dispatch import kernel_dequantize
+
     layout = _decoded_layout(codes, scales, bits, symmetric, rotation_kind, token_group, codebook, layer_scale)
-    reason = unsupported_reason(layout)
-    if reason is not None:
-        note_fallback("kvq::dequantize", layout, reason)
-        return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook, layer_scale)
-    return backend_for(codes.device).dequantize(layout, kernel_constants(rotation, lam, codebook), codes.contiguous(),
-                                                scales.contiguous(), dtype)
+    return kernel_dequantize(codes, scales, rotation, lam, layout, dtype, codebook, layer_scale)
 
 
 for _device in ("cuda", "mps"):

@@ -77,7 +77,7 @@ def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group:
     then offsets where not `symmetric`); or, with token_group > 1, KIVI's keys: per channel over groups of that
     many tokens, in buffers of whole groups of which the first `tokens` rows count; or, with a codebook, random
     indices into it and a norm per token (TurboQuant_mse's codes)."""
-    from kvq.kernels.plan import packed_stats
+    from kvq.kernels.stats import packed_stats
     from kvq.kernels.step import PackedKV
     from kvq.ops import SCALE_DTYPE_NAMES
     from kvq.quant.packing import pack

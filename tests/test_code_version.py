@@ -159,6 +159,7 @@ def _digests(package: Path, cells: list[tuple[frozenset[str], frozenset[str], bo
 EDITS = {"quantizer": ("quant/qjl.py", "_EDITED = 1\n"), "shared": ("apply.py", "_EDITED = 1\n"),
          "comment": ("quant/qjl.py", "# a reworded note\n"), "metric": ("longctx.py", "_EDITED = 1\n"),
          "kernel launch": ("kernels/launch.py", "_EDITED = 1\n"),
+         "kernel dispatch": ("kernels/dispatch.py", "_EDITED = 1\n"),
          "kernel source": ("kernels/csrc/decode_attention.cu", "#define KVQ_EDITED 1\n")}
 
 
@@ -187,7 +188,8 @@ def test_an_edit_stales_the_cells_that_run_what_it_changed_and_no_others(tmp_pat
     expected = {"quantizer": [(frozenset({"qjl"}), none, cpu), (frozenset({"srft", "qjl"}), none, cpu)],
                 "shared": cells, "comment": [],
                 "metric": [(frozenset(), lmeval, cpu), (frozenset({"kivi"}), lmeval, cpu)],
-                "kernel launch": on_gpu_or_lmeval, "kernel source": on_gpu_or_lmeval}
+                "kernel launch": on_gpu_or_lmeval, "kernel dispatch": on_gpu_or_lmeval,
+                "kernel source": on_gpu_or_lmeval}
     assert changed == expected[edit]
 
 

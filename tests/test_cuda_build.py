@@ -1,5 +1,6 @@
-"""csrc/decode_attention.cu compiles, with NVRTC, in every build kvq.kernels.cuda_decode makes (no GPU needed: the
-GPU tests run the builds; this catches a build that does not compile where CI has no GPU)."""
+"""csrc/decode_attention.cu compiles, with NVRTC, in every build kvq.kernels.cuda_decode makes, and the shared
+quantize body's CUDA build in each kind of layout kvq.kernels.plan serves (no GPU needed: the GPU tests run the
+builds; this catches a build that does not compile where CI has no GPU)."""
 
 import ctypes
 from pathlib import Path
@@ -8,6 +9,9 @@ import pytest
 import torch
 
 from kvq.kernels import cuda_decode
+from kvq.kernels.plan import kernel_defines, unsupported_reason
+from kvq.kernels.source import translation_unit
+from kvq.quant.layout import PackedLayout
 
 
 def _nvrtc():
@@ -61,3 +65,22 @@ def test_per_channel_keys_refuse_to_build_without_fp16_stats():
     """KIVI's keys are read as fp16 words: a build with float32 stats stops at its #error rather than misread them."""
     status, log = compile_log(cuda_decode.source(torch.float16, torch.float32, 4, True, 32), "sm_90")
     assert status != 0 and "per-channel keys are KIVI's" in log
+
+
+# the shared body's layouts: int4/int8 codes, symmetric or with offsets, per group or per token, and TurboQuant_mse's
+# codebook codes of 2-4 bits (3-bit rows are whole words that do not divide a warp: the unstaged copy)
+QUANTIZE_LAYOUTS = [PackedLayout(128, 4, 32, torch.float32, rotation="srft"),
+                    PackedLayout(64, 8, 64, torch.float16, symmetric=False, rotation="srht"),
+                    *(PackedLayout(d, bits, d, torch.float16, rotation=rotation, codebook=True)
+                      for d, bits, rotation in ((128, 4, "srft"), (128, 3, "srft"), (64, 2, "identity"),
+                                                (256, 3, "srht")))]
+
+
+@requires_nvrtc
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", QUANTIZE_LAYOUTS, ids=lambda layout: (
+    f"{layout.rotation}-d{layout.head_dim}-{'codebook' if layout.codebook else 'int'}{layout.bits}"))
+def test_every_kind_of_quantize_build_compiles(layout, dtype):
+    assert unsupported_reason(layout) is None
+    status, log = compile_log(translation_unit("cuda", dict(kernel_defines(layout)), dtype, dtype), "sm_90")
+    assert status == 0, log

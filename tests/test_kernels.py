@@ -25,8 +25,9 @@ from kvq.kernels.backends import KernelBackend
 from kvq.kernels.decode_attention import decode_attention_gpu
 from kvq.kernels.decode_attention import unsupported_reason as step_unsupported_reason
 from kvq.kernels.launch import LaunchConfig, resident_programs, split_counts
-from kvq.kernels.plan import kernel_constants, kernel_defines, packed_codes, unsupported_reason
+from kvq.kernels.plan import kernel_constants, kernel_defines, unsupported_reason
 from kvq.kernels.source import kernel_text, translation_unit
+from kvq.kernels.stats import packed_codes
 from kvq.kernels.step import DecodeStep, decode_attention_reference
 from kvq.quant import QuantSpec
 from kvq.quant.codebooks import NORM_FLOOR, decode_unit_vector, lloyd_max_gaussian
@@ -406,19 +407,25 @@ def _assert_stats_match_reference(q: RotatedQuantizer, x: torch.Tensor, codes: t
 
 
 class _HostBackend(KernelBackend):
-    """The shared body compiled for this CPU (float32 in and out) with g++, called through ctypes."""
+    """The shared body compiled for this CPU (float32 in and out) with g++ on a layout's first launch, as the
+    device backends build theirs, called through ctypes; `launches` counts the calls."""
 
     name = "host"
 
-    def __init__(self, packed_layout, directory):
-        unit, library = directory / "kvq_host.cpp", directory / "kvq_host.so"
-        unit.write_text(translation_unit("host", dict(kernel_defines(packed_layout)), torch.float32, torch.float32))
-        subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(library), str(unit)], check=True)
-        self.library = ctypes.CDLL(str(library))
+    def __init__(self, directory):
+        self.directory, self.libraries, self.launches = directory, {}, 0
 
     def _launch(self, packed_layout, name, dtypes, n, args) -> None:
-        getattr(self.library, name)(*(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_uint(a)
-                                      for a in [*args, n]))
+        defines = kernel_defines(packed_layout)
+        if defines not in self.libraries:
+            stem = self.directory / f"kvq_host_{len(self.libraries)}"
+            stem.with_suffix(".cpp").write_text(translation_unit("host", dict(defines), torch.float32, torch.float32))
+            subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(stem.with_suffix(".so")),
+                            str(stem.with_suffix(".cpp"))], check=True)
+            self.libraries[defines] = ctypes.CDLL(str(stem.with_suffix(".so")))
+        self.launches += 1
+        getattr(self.libraries[defines], name)(*(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+                                                 else ctypes.c_uint(a) for a in [*args, n]))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel body for the host")
@@ -429,7 +436,7 @@ def test_host_build_of_the_kernel_body_equals_reference(tmp_path, rotation, d, b
     q, x, label = _case(rotation, d, bits, granularity, group, lam, torch.float32, min(n, 2048), scales, "cpu",
                         symmetric)
     form = q.packed_form()
-    backend = _HostBackend(form.layout, tmp_path)
+    backend = _HostBackend(tmp_path)
     constants = kernel_constants(form.signs, form.lam)
     codes, stats = backend.quantize(form.layout, constants, x)
     _assert_stats_match_reference(q, x, codes, stats, "host " + label)
@@ -500,7 +507,7 @@ def test_host_build_writes_and_reads_turboquants_codes_as_its_own_arithmetic(tmp
     turbo, x, label = _turbo(rotation, d, bits, n)
     form = turbo.packed_form()
     assert unsupported_reason(form.layout) is None
-    backend = _HostBackend(form.layout, tmp_path)
+    backend = _HostBackend(tmp_path)
     constants = kernel_constants(form.signs, form.lam, form.codebook)
     codes, norms = backend.quantize(form.layout, constants, x)
     _assert_codebook_codes_match_reference(turbo, x, codes, norms.view(n, 1), "host " + label)
@@ -508,6 +515,28 @@ def test_host_build_writes_and_reads_turboquants_codes_as_its_own_arithmetic(tmp
     expected = decode_unit_vector(unpack(codes, bits, d, signed=False), norms.view(n, 1), turbo.rotation,
                                   form.codebook)
     torch.testing.assert_close(decoded, expected, atol=1e-6 * x.abs().max(), rtol=0)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel body for the host")
+def test_on_an_accelerator_the_ops_write_turboquants_codes_with_its_build_and_others_with_the_reference(tmp_path,
+                                                                                                      monkeypatch):
+    """kvq.ops' quantize and dequantize on an accelerator (kvq.kernels.dispatch), the host build standing in for the
+    device's: TurboQuant_mse's codes after the SRFT go to the kernel body, a Haar rotation's (no kernel) to the
+    reference, and both equal TurboQuant's own arithmetic."""
+    from kvq.kernels import dispatch
+
+    host = _HostBackend(tmp_path)
+    monkeypatch.setattr(dispatch, "backend_for", lambda device: host)
+    for rotation, launches in (("srft", 2), ("haar", 0)):
+        turbo, x, label = _turbo(rotation, 64, 3, 40)
+        form, host.launches = turbo.packed_form(), 0
+        codes, norms = dispatch.kernel_quantize(x, form.rotation_input, form.lam, form.layout, form.codebook, None)
+        _assert_codebook_codes_match_reference(turbo, x, codes, norms, "dispatch " + label)
+        decoded = dispatch.kernel_dequantize(codes, norms, form.rotation_input, form.lam, form.layout, torch.float32,
+                                             form.codebook, None)
+        expected = decode_unit_vector(unpack(codes, 3, 64, signed=False), norms, turbo.rotation, form.codebook)
+        torch.testing.assert_close(decoded, expected, atol=1e-6 * x.abs().max(), rtol=0)
+        assert host.launches == launches
 
 
 @requires_cuda

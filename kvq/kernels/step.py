@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvq.kernels.plan import packed_codes, per_token_stats
+from kvq.kernels.stats import packed_codes, per_token_stats
 from kvq.quant.codebooks import decode_unit_vector
 from kvq.quant.layout import PackedForm, group_scales
 from kvq.quant.packing import unpack
