@@ -583,7 +583,7 @@ def test_cuda_kernel_writes_and_reads_turboquants_codes_as_its_own_arithmetic(ro
     (2, 16, 4, 128, 3001, 16, 8, 4, 32, torch.float16, torch.float16),
     (1, 12, 4, 128, 777, 0, 8, 4, 32, torch.bfloat16, torch.float32),
     (1, 4, 2, 128, 1, 16, 8, 4, 32, torch.float32, torch.float32),
-    # 2- and 3-bit codes, which the Triton partial reads from bytes shared by codes (2-bit) or whole words (3-bit)
+    # 2- and 3-bit codes, which the Triton partial cuts from whole words
     (1, 32, 8, 128, 8192, 5, 2, 2, 32, torch.float16, torch.float16),
     (3, 9, 3, 64, 517, 16, 3, 3, 16, torch.float32, torch.float32),
     (2, 16, 4, 128, 3001, 0, 3, 4, 32, torch.bfloat16, torch.float32),

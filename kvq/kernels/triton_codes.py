@@ -201,19 +201,13 @@ def float_bits_to_f16(code, BITS: tl.constexpr, MANTISSA: tl.constexpr):
 @triton.jit
 def _load_indices(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr):
     """Even and odd coordinates' unsigned codes of a (BLOCK, d) tile as int32 (kvq.quant.packing's little-end-first
-    bit stream per row): 4-bit codes one byte load per coordinate pair, 2-bit ones one per pair too (a pair in the
-    low or high half of its byte), int8 one 16-bit load (the low byte the even coordinate), other widths whole words
-    (_spanning_codes)."""
+    bit stream per row): 4-bit codes one byte load per coordinate pair, int8 one 16-bit load (the low byte the even
+    coordinate), other widths whole words (_spanning_codes)."""
     pairs = tl.arange(0, HALF)
     row_bytes: tl.constexpr = HALF * BITS // 4
     if BITS == 4:
         byte = _nibble_bytes(codes_ptr, tokens, valid, HALF).to(tl.int32)
         return byte & 0xF, byte >> 4
-    elif BITS == 2:  # a byte per pair: the row's bytes read once and joined with themselves decoded wrong codes
-        # on the GPU (KIVI-2's GPU tests caught it), though right under Triton's interpreter
-        byte = tl.load(codes_ptr + tokens[:, None] * row_bytes + (pairs // 2)[None, :], mask=valid[:, None], other=0)
-        pair = byte.to(tl.int32) >> (4 * (pairs % 2))[None, :]
-        return pair & 3, (pair >> 2) & 3
     elif BITS == 8:
         words = codes_ptr.to(tl.pointer_type(tl.int16)) + tokens[:, None] * (row_bytes // 2) + pairs[None, :]
         word = tl.load(words, mask=valid[:, None], other=0).to(tl.int32)
@@ -223,10 +217,10 @@ def _load_indices(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constex
 
 @triton.jit
 def _spanning_codes(codes_ptr, tokens, valid, BITS: tl.constexpr, HALF: tl.constexpr):
-    """Even and odd codes of widths whose codes span bytes (3, 5, 6, 7 bits): each run of 32 coordinates is BITS
-    whole 32-bit words of the row, read as BITS loads of one word per run (rows are whole words: 2 HALF >= 32
-    coordinates), and each code is cut from the one or two words it lies in by shifts known when compiling. The
-    runs' 16 even and 16 odd codes are then joined in order into (BLOCK, HALF) tiles."""
+    """Even and odd codes of 2, 3, 5, 6 and 7 bits: each run of 32 coordinates is BITS whole 32-bit words of the
+    row, read as BITS loads of one word per run (rows are whole words: 2 HALF >= 32 coordinates), and each code is
+    cut from the one or two words it lies in by shifts known when compiling. The runs' 16 even and 16 odd codes are
+    then joined in order into (BLOCK, HALF) tiles."""
     RUNS: tl.constexpr = HALF // 16
     rows = codes_ptr.to(tl.pointer_type(tl.uint32)) + tokens[:, None] * (RUNS * BITS) + BITS * tl.arange(0, RUNS)
     words = (_word(rows, 0, valid, BITS), _word(rows, 1, valid, BITS), _word(rows, 2, valid, BITS),
