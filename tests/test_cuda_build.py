@@ -67,10 +67,12 @@ def test_per_channel_keys_refuse_to_build_without_fp16_stats():
     assert status != 0 and "per-channel keys are KIVI's" in log
 
 
-# the shared body's layouts: int4/int8 codes, symmetric or with offsets, per group or per token, and TurboQuant_mse's
-# codebook codes of 2-4 bits (3-bit rows are whole words that do not divide a warp: the unstaged copy)
+# the shared body's layouts: codes of 2, 3, 4 and 8 bits, symmetric or with offsets, per group or per token, and
+# TurboQuant_mse's codebook codes of 2-4 bits (3-bit rows are whole words that do not divide a warp: the unstaged copy)
 QUANTIZE_LAYOUTS = [PackedLayout(128, 4, 32, torch.float32, rotation="srft"),
                     PackedLayout(64, 8, 64, torch.float16, symmetric=False, rotation="srht"),
+                    PackedLayout(128, 2, 32, torch.float16, symmetric=False),
+                    PackedLayout(128, 3, 128, torch.float32, rotation="srft"),
                     *(PackedLayout(d, bits, d, torch.float16, rotation=rotation, codebook=True)
                       for d, bits, rotation in ((128, 4, "srft"), (128, 3, "srft"), (64, 2, "identity"),
                                                 (256, 3, "srht")))]

@@ -65,7 +65,9 @@ def test_layouts_cover_the_papers_kernels_and_name_the_rest():
     assert layout(learned).rotation == "matrix" and "learned" in unsupported_reason(layout(learned))
     assert quantizer(granularity="per_channel").packed_form() is None
     assert "per_channel" in quantizer(granularity="per_channel").packing_reason()
-    assert "int4/int8" in unsupported_reason(layout(quantizer(bits=3)))
+    assert unsupported_reason(layout(quantizer(bits=3))) is None
+    assert "2-, 3-, 4- or 8-bit codes" in unsupported_reason(layout(quantizer(bits=5)))
+    assert "whole 32-bit words" in unsupported_reason(layout(quantizer("srft", 8, 3)))
     assert "power-of-two group" in unsupported_reason(layout(quantizer(granularity="per_group", group=24)))
     assert "head_dim" in unsupported_reason(layout(quantizer("srft", 96)))
     assert layout(quantizer(scales="float16")).scale_dtype == torch.float16
@@ -304,6 +306,11 @@ def _pre_round(q: RotatedQuantizer, x: torch.Tensor, scale: torch.Tensor | None 
 
 CASES = [
     ("srft", 64, 4, "per_token", 32, False, torch.float32, 4096, "float32"),
+    # 2- and 3-bit codes (3-bit ones span bytes and words)
+    ("srft", 128, 2, "per_group", 32, False, torch.float32, 1000, "float32"),
+    ("srht", 64, 3, "per_token", 64, True, torch.float16, 517, "float16"),
+    ("identity", 128, 3, "per_group", 16, False, torch.float32, 300, "float32"),
+    ("srft", 256, 2, "per_token", 256, False, torch.bfloat16, 129, "float16"),
     ("srft", 128, 4, "per_group", 32, True, torch.float16, 262144 // 64, "float32"),
     ("srft", 256, 8, "per_group", 2, False, torch.bfloat16, 777, "float32"),
     ("srht", 128, 8, "per_token", 32, True, torch.float32, 1000, "float32"),

@@ -1,7 +1,8 @@
 """Which packed layouts the fused kernels implement, and what a kernel build and launch need from one.
 
-A kernel covers the PackedLayout of a rotation (identity | SRHT | SRFT) with optional lambda and int4/int8 codes,
-symmetric or with offsets, with fp32 or fp16 scales per token or per power-of-two group, at power-of-two head_dim:
+A kernel covers the PackedLayout of a rotation (identity | SRHT | SRFT) with optional lambda and 2-, 3-, 4- or 8-bit
+codes, symmetric or with offsets, with fp32 or fp16 scales per token or per power-of-two group, at power-of-two
+head_dim (rows of whole 32-bit words of codes):
 the SRFT paper's fused kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1); and, after the same rotations,
 TurboQuant_mse's codebook codes of 2-4 bits with an fp16 norm per token (its Alg. 1). Other layouts take the
 reference.
@@ -18,7 +19,7 @@ from kvq.quant.codebooks import NORM_FLOOR
 from kvq.quant.layout import PackedLayout
 
 ROTATION_CODES = {"identity": 0, "srht": 1, "srft": 2}
-KERNEL_BITS = (4, 8)
+KERNEL_BITS = (2, 3, 4, 8)
 CODEBOOK_KERNEL_BITS = (2, 3, 4)
 KERNEL_SCALE_DTYPES = (torch.float32, torch.float16)
 THREADS_PER_GROUP = 128  # Metal threadgroups; one vector per thread
@@ -49,20 +50,20 @@ def unsupported_reason(layout: PackedLayout) -> str | None:
     if layout.rotation not in ROTATION_CODES:
         return f"rotation kind {layout.rotation} has no kernel (learned rotations run in torch)"
     if not layout.codebook and (layout.bits not in KERNEL_BITS or layout.scale_dtype not in KERNEL_SCALE_DTYPES):
-        return "kernels need int4/int8 codes with float32 or float16 scales"
+        return "kernels need 2-, 3-, 4- or 8-bit codes with float32 or float16 scales"
     if not _power_of_two(layout.head_dim) or not 8 <= layout.head_dim <= 512:
         return f"kernels need a power-of-two head_dim in 8..512, got {layout.head_dim}"
+    if layout.head_dim * layout.bits % 32:
+        return f"kernels need rows of whole 32-bit words of codes, not {layout.head_dim} x {layout.bits} bits"
     if not (_power_of_two(layout.group_size) and layout.group_size >= 2):
         return f"kernels need a power-of-two group size >= 2, got {layout.group_size}"
     return None
 
 
 def _is_turbo_mse(layout: PackedLayout) -> bool:
-    """TurboQuant_mse's codes as its own arithmetic writes them (kvq.quant.codebooks.encode_unit_vector), in whole
-    32-bit words per row."""
+    """TurboQuant_mse's codes, as its own arithmetic writes them (kvq.quant.codebooks.encode_unit_vector)."""
     return (layout.scheme == "kvq" and layout.bits in CODEBOOK_KERNEL_BITS and layout.group_size == layout.head_dim
-            and layout.scale_dtype == torch.float16 and not layout.layer_scaled
-            and layout.head_dim * layout.bits % 32 == 0)
+            and layout.scale_dtype == torch.float16 and not layout.layer_scaled)
 
 
 @lru_cache(maxsize=64)

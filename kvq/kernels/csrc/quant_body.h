@@ -17,7 +17,8 @@
 // The caller defines the shape constants:
 //   KVQ_D      head_dim (power of two, 8..512)
 //   KVQ_GROUP  coordinates sharing one scale (KVQ_D for per-token), a power of two >= 2
-//   KVQ_BITS   4 (two nibbles per byte, even coordinate in the low nibble) or 8 (one byte)
+//   KVQ_BITS   2, 3, 4 or 8: a row's codes as one bit stream, little-end first (4: two nibbles per byte, the even
+//              coordinate's low; 3: codes span bytes and words)
 //   KVQ_ROT    0 identity, 1 SRHT, 2 SRFT
 //   KVQ_TWIDDLES  cos, sin of pi k / (D/2) for k < D/2, as float literals: constant indices into a
 //                 constant table let the compiler fold them into the butterflies' instructions
@@ -277,10 +278,25 @@ KVQ_DEVICE_FN void kvq_scale_by(KVQ_THREAD float* y, KVQ_GMEM const float* facto
 #define KVQ_OUT_CHUNKS (KVQ_D / (4 * KVQ_OUT_PER_WORD))  // and of an output row
 
 #define KVQ_CODE_WORDS (KVQ_CODE_BYTES / 4)                // 32-bit words of a vector's codes
+#define KVQ_CODE_MASK ((1u << KVQ_BITS) - 1u)
+
+// Coordinate i's field of a row's bit stream held as 32-bit words: put into words zeroed beforehand, or got.
+// A field may span two words (3-bit codes); with i a constant, so are the words and shifts.
+KVQ_DEVICE_FN void kvq_put_code(KVQ_THREAD uint* words, uint i, uint code) {
+    uint bit = i * KVQ_BITS, shift = bit % 32;
+    words[bit / 32] |= code << shift;
+    if (shift + KVQ_BITS > 32) words[bit / 32 + 1] |= code >> (32 - shift);
+}
+
+KVQ_DEVICE_FN uint kvq_get_code(KVQ_THREAD const uint* words, uint i) {
+    uint bit = i * KVQ_BITS, shift = bit % 32;
+    uint code = words[bit / 32] >> shift;
+    if (shift + KVQ_BITS > 32) code |= words[bit / 32 + 1] << (32 - shift);
+    return code & KVQ_CODE_MASK;
+}
 
 #if KVQ_CODEBOOK
 #define KVQ_LEVEL_COUNT (1 << KVQ_BITS)
-#define KVQ_CODE_MASK ((1u << KVQ_BITS) - 1u)
 
 // TurboQuant_mse's encode (Alg. 1) of a sign-flipped vector y, as kvq.quant.codebooks.encode_unit_vector: its
 // norm stored in fp16, then each coordinate of R (y / norm) coded as the count of the midpoints below it
@@ -305,9 +321,7 @@ KVQ_DEVICE_FN void kvq_quantize_codebook(KVQ_THREAD float* y, KVQ_GMEM const flo
         float unit = y[i] * KVQ_ROTATION_NORM;
         uint code = 0;
         KVQ_UNROLL for (uint k = 0; k < KVQ_LEVEL_COUNT - 1; ++k) code += unit > midpoints[k] ? 1u : 0u;
-        uint bit = i * KVQ_BITS, shift = bit % 32;
-        words[bit / 32] |= code << shift;
-        if (shift + KVQ_BITS > 32) words[bit / 32 + 1] |= code >> (32 - shift);
+        kvq_put_code(words, i, code);
     }
     KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) code_words[w ^ code_swizzle] = words[w];
 }
@@ -322,10 +336,7 @@ KVQ_DEVICE_FN void kvq_codebook_levels(KVQ_GMEM const uchar* codes, KVQ_GMEM con
     float held[KVQ_LEVEL_COUNT];
     KVQ_UNROLL for (uint k = 0; k < KVQ_LEVEL_COUNT; ++k) held[k] = levels[k];
     KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) {
-        uint bit = i * KVQ_BITS, shift = bit % 32;
-        uint code = words[bit / 32] >> shift;
-        if (shift + KVQ_BITS > 32) code |= words[bit / 32 + 1] << (32 - shift);
-        code &= KVQ_CODE_MASK;
+        uint code = kvq_get_code(words, i);
         float level = held[0];
         KVQ_UNROLL for (uint k = 1; k < KVQ_LEVEL_COUNT; ++k) level = code == k ? held[k] : level;
         y[i] = level * KVQ_ROTATION_NORM;
@@ -378,13 +389,8 @@ KVQ_DEVICE_FN void kvq_quantize_body(
     }
     // The stored offset may round past the group's minimum or maximum: codes clamp to 0..QMAX as the
     // reference's do.
-    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) {
-        uint rounded[KVQ_CODES_PER_WORD];
-        KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
-            uint i = w * KVQ_CODES_PER_WORD + e;
-            float code = kvq_fma(y[i], inverse[i / KVQ_GROUP], shift[i / KVQ_GROUP]);
-            rounded[e] = kvq_float_bits(kvq_min(kvq_max(code, 0.0f), (float)KVQ_QMAX) + KVQ_ROUND_MAGIC);
-        }
+#define KVQ_ROUNDED(i) kvq_float_bits(kvq_min(kvq_max(kvq_fma(y[i], inverse[(i) / KVQ_GROUP], shift[(i) / KVQ_GROUP]), \
+                                                      0.0f), (float)KVQ_QMAX) + KVQ_ROUND_MAGIC)
 #else
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
         float amax = 0.0f;
@@ -404,16 +410,15 @@ KVQ_DEVICE_FN void kvq_quantize_body(
 #endif
     }
     // No clamp: |y| <= amax keeps |y * inverse| within QMAX (1 + 3 ulp), which rounds to at most QMAX.
-    // A rounded word's low byte is its code as int8, so codes pack by gathering low bytes (byte permutes
-    // on GPUs); int4 then merges the even and odd coordinates' bytes as nibbles: about one instruction
-    // per code, where shifting and masking each code took three.
+#define KVQ_ROUNDED(i) kvq_float_bits(kvq_fma(y[i], inverse[(i) / KVQ_GROUP], KVQ_ROUND_MAGIC))
+#endif
+    // A rounded word's low bits are its code, two's complement where signed.
+#if KVQ_BITS == 4 || KVQ_BITS == 8
+    // Codes pack by gathering low bytes (byte permutes on GPUs); int4 then merges the even and odd
+    // coordinates' bytes as nibbles: about one instruction per code, where shifting and masking each took three.
     KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) {
         uint rounded[KVQ_CODES_PER_WORD];
-        KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
-            uint i = w * KVQ_CODES_PER_WORD + e;
-            rounded[e] = kvq_float_bits(kvq_fma(y[i], inverse[i / KVQ_GROUP], KVQ_ROUND_MAGIC));
-        }
-#endif
+        KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) rounded[e] = KVQ_ROUNDED(w * KVQ_CODES_PER_WORD + e);
 #if KVQ_BITS == 4
         uint even = kvq_low_bytes(rounded[0], rounded[2], rounded[4], rounded[6]);
         uint odd = kvq_low_bytes(rounded[1], rounded[3], rounded[5], rounded[7]);
@@ -422,6 +427,13 @@ KVQ_DEVICE_FN void kvq_quantize_body(
         code_words[w ^ code_swizzle] = kvq_low_bytes(rounded[0], rounded[1], rounded[2], rounded[3]);
 #endif
     }
+#else
+    uint words[KVQ_CODE_WORDS];
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) words[w] = 0;
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) kvq_put_code(words, i, KVQ_ROUNDED(i) & KVQ_CODE_MASK);
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) code_words[w ^ code_swizzle] = words[w];
+#endif
+#undef KVQ_ROUNDED
 #endif
 }
 
@@ -451,12 +463,9 @@ KVQ_DEVICE_FN void kvq_dequantize_body(
     KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] *= norm;
 #else
     KVQ_GMEM const uint* code_words = (KVQ_GMEM const uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES);
-    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) {
-        uint word = code_words[w];
-        KVQ_UNROLL for (uint e = 0; e < KVQ_CODES_PER_WORD; ++e) {
-            y[w * KVQ_CODES_PER_WORD + e] = kvq_code_value((word >> (KVQ_BITS * e)) & ((1u << KVQ_BITS) - 1u));
-        }
-    }
+    uint words[KVQ_CODE_WORDS];
+    KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) words[w] = code_words[w];
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] = kvq_code_value(kvq_get_code(words, i));
     KVQ_UNROLL for (uint g = 0; g < KVQ_GROUPS; ++g) {
         KVQ_GMEM const KVQ_SCALE_T* stats = scales + (kvq_index)vec * KVQ_STATS + g;
         float scale = kvq_scale_value(stats[0]) * KVQ_ROTATION_NORM;
