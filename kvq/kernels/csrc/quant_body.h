@@ -1,6 +1,6 @@
-// Fused rotate + lambda + abs-max + pack (and its inverse): the one algorithm shared by the CUDA
-// build (NVRTC), the Metal build (torch.mps.compile_shader) and the host build the tests run.
-// SRFT paper Sec. 3.2 and 7.1.
+// Fused rotate + lambda + abs-max + pack (and its inverse), or TurboQuant_mse's norm + rotate + nearest level +
+// pack: the one algorithm shared by the CUDA build (NVRTC), the Metal build (torch.mps.compile_shader) and the host
+// build the tests run. SRFT paper Sec. 3.2 and 7.1; TurboQuant Alg. 1.
 //
 // One thread per vector, the whole vector in registers: every loop has compile-time bounds and is
 // unrolled (KVQ_UNROLL), so every array index is a constant and no shared memory, barrier or
