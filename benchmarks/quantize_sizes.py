@@ -13,6 +13,7 @@ import torch
 from kvq import ops
 from kvq.bench.kernels import quantize_bytes
 from kvq.bench.timing import peak_bandwidth, time_call
+from kvq.quant.layout import PackedLayout
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import ScalarQuantizer
 from kvq.rotations import SRFT, Identity
@@ -23,7 +24,7 @@ THREADS_PER_SM = 384  # three 128-thread blocks (the kernel's launch bounds)
 
 
 def moved_bytes(vectors: int) -> int:
-    return quantize_bytes(vectors, D, groups=1)  # per-token: one scale
+    return quantize_bytes(vectors, PackedLayout(D, 4, D))  # per-token int4: one float32 scale
 
 
 def best_us(fn, replays: int = 3) -> float:

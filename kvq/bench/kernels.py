@@ -8,34 +8,42 @@ import torch.nn.functional as F
 from kvq import ops
 from kvq.bench.timing import LAYERS, copy_bandwidth, peak_bandwidth, time_call, time_per_layer
 from kvq.errors import KvqError
+from kvq.quant.layout import PackedLayout
 from kvq.quant.packing import pack
 from kvq.quant.rotated import RotatedQuantizer
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
+from kvq.quant.turbo import TurboQuant
 from kvq.rotations import SRFT, SRHT, Identity
 
 
-def quantize_bytes(vectors: int, d: int, groups: int, scale_bytes: int = 4) -> int:
-    """Bytes an int4 quantize call moves: fp16 rows in, packed codes and scales out."""
-    return vectors * (d * 2 + d // 2 + scale_bytes * groups)
+def quantize_bytes(vectors: int, layout: PackedLayout) -> int:
+    """Bytes a quantize call moves: fp16 rows in, the layout's packed codes and stats out."""
+    return vectors * (layout.head_dim * 2 + layout.code_bytes + layout.stats * layout.stats_dtype.itemsize)
 
 
 def bench_quantize(device: str, vectors: int = 262144, d: int = 128, group: int = 32) -> list[dict]:
     x = torch.randn(vectors, d, device=device, dtype=torch.float16)
     peak = peak_bandwidth(device)
     rows = []
-    # The identity and SRHT rows price the rotation: the same staging, abs-max and packing with no
-    # transform and with a cheaper one.
     calibrated = torch.rand(d) + 0.5
-    for label, rotation, granularity, lam, scale_dtype in (
-            ("srft int4 per-token", SRFT, "per_token", None, "float32"),
-            ("srft int4 g32 + lambda", SRFT, "per_group", calibrated, "float32"),
-            ("srft int4 g32 + lambda, fp16 scales", SRFT, "per_group", calibrated, "float16"),
-            ("srht int4 per-token", SRHT, "per_token", None, "float32"),
-            ("identity int4 per-token", Identity, "per_token", None, "float32")):
-        quantizer = RotatedQuantizer(rotation(d, 0), ScalarQuantizer(4, granularity, group, scale_dtype=scale_dtype),
-                                     lam)
-        groups = 1 if granularity == "per_token" else d // group
-        moved = quantize_bytes(vectors, d, groups, SCALE_DTYPES[scale_dtype].itemsize)
+
+    def scalar(rotation, bits, granularity, lam=None, scale_dtype="float32", symmetric=True):
+        return RotatedQuantizer(rotation(d, 0), ScalarQuantizer(bits, granularity, group, symmetric, scale_dtype), lam)
+
+    # The identity and SRHT rows price the rotation: the same staging, abs-max and packing with no transform and
+    # with a cheaper one. The 2- and 3-bit rows and TurboQuant_mse's price codes packed as a bit stream (KIVI-2's
+    # values are the uint2 row), TurboQuant's its norm and nearest-level search.
+    for label, quantizer in (
+            ("srft int4 per-token", scalar(SRFT, 4, "per_token")),
+            ("srft int4 g32 + lambda", scalar(SRFT, 4, "per_group", calibrated)),
+            ("srft int4 g32 + lambda, fp16 scales", scalar(SRFT, 4, "per_group", calibrated, "float16")),
+            ("srht int4 per-token", scalar(SRHT, 4, "per_token")),
+            ("identity int4 per-token", scalar(Identity, 4, "per_token")),
+            ("identity uint2 g32, fp16 scales and offsets", scalar(Identity, 2, "per_group", None, "float16", False)),
+            ("srft int3 g32", scalar(SRFT, 3, "per_group")),
+            ("TurboQuant_mse-4 (srft, fp16 norm)", TurboQuant(SRFT(d, 0), 4)),
+            ("TurboQuant_mse-3 (srft, fp16 norm)", TurboQuant(SRFT(d, 0), 3))):
+        moved = quantize_bytes(vectors, quantizer.packed_form().layout)
         fused = time_call(lambda q=quantizer: ops.encode(q, x), device, graph=True)
         eager = time_call(lambda q=quantizer: ops.encode(q, x), device)
         reference = time_call(lambda q=quantizer: q.encode(x), device, repeats=5)
