@@ -2,10 +2,9 @@
 
 A kernel covers the PackedLayout of a rotation (identity | SRHT | SRFT) with optional lambda and 2-, 3-, 4- or 8-bit
 codes, symmetric or with offsets, with fp32 or fp16 scales per token or per power-of-two group, at power-of-two
-head_dim (rows of whole 32-bit words of codes):
-the SRFT paper's fused kernel (Sec. 3.2) and its scaled-g32 variant (Sec. 7.1); and, after the same rotations,
-TurboQuant_mse's codebook codes of 2-4 bits with an fp16 norm per token (its Alg. 1). Other layouts take the
-reference.
+head_dim (rows of whole 32-bit words of codes): the SRFT paper's fused kernel (Sec. 3.2) and its scaled-g32 variant
+(Sec. 7.1); and, after the same rotations, TurboQuant_mse's codebook codes of 2-4 bits with an fp16 norm per token
+(its Alg. 1). Other layouts take the reference. Imported on an accelerator only (kvq.kernels.dispatch).
 """
 
 import math
