@@ -30,7 +30,7 @@ from kvq.kernels.source import kernel_text, translation_unit
 from kvq.kernels.stats import packed_codes
 from kvq.kernels.step import DecodeStep, decode_attention_reference
 from kvq.quant import QuantSpec
-from kvq.quant.codebooks import NORM_FLOOR, decode_unit_vector, lloyd_max_gaussian
+from kvq.quant.codebooks import NORM_FLOOR, decode_unit_vector, lloyd_max_gaussian, midpoints, nearest_level
 from kvq.quant.kivi import KIVI
 from kvq.quant.layout import PackedLayout
 from kvq.quant.packing import unpack
@@ -477,18 +477,17 @@ def _assert_codebook_codes_match_reference(turbo, x: torch.Tensor, codes: torch.
     are the reference's with the kernel's norm; codes equal but for coordinates of the rotated unit vector within
     MIDPOINT_WINDOW of a midpoint between levels (counted), and there one level apart."""
     levels = turbo.packed_form().codebook.to(x.device)
-    midpoints = (levels[1:] + levels[:-1]) / 2
     reference = turbo.encode(x)
     ref_norm = reference.norm
     assert norms.shape == ref_norm.shape and norms.dtype == ref_norm.dtype == torch.float16
     moved = norms != ref_norm
     assert ((norms.float() - ref_norm.float()).abs() <= ref_norm.float().abs() * 2.0 ** -10).all()
     unit = turbo.rotation.forward(x.float() / norms.float().clamp_min(NORM_FLOOR))
-    ref_codes = torch.where(moved, torch.bucketize(unit, midpoints), unpack(reference.codes, turbo.mse_bits,
-                                                                            x.shape[-1], signed=False))
+    ref_codes = torch.where(moved, nearest_level(unit, levels), unpack(reference.codes, turbo.mse_bits, x.shape[-1],
+                                                                       signed=False))
     kernel_codes = unpack(codes, turbo.mse_bits, x.shape[-1], signed=False)
     differ = kernel_codes != ref_codes
-    near = (unit[..., None] - midpoints).abs().amin(-1) < MIDPOINT_WINDOW
+    near = (unit[..., None] - midpoints(levels)).abs().amin(-1) < MIDPOINT_WINDOW
     print(f"{label}: {int(moved.sum())} of {moved.numel()} norms one fp16 step from the reference's, "
           f"{int(differ.sum())} of {differ.numel()} codes differ, all at midpoints")
     assert not (differ & ~near).any()

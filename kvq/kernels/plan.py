@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from kvq.quant.codebooks import NORM_FLOOR
+from kvq.quant.codebooks import NORM_FLOOR, midpoints
 from kvq.quant.layout import PackedLayout
 
 ROTATION_CODES = {"identity": 0, "srht": 1, "srft": 2}
@@ -80,20 +80,22 @@ def kernel_defines(layout: PackedLayout) -> tuple[tuple[str, int | str], ...]:
 class KernelConstants:
     """A form's constants as the kernels read them: per element size in bytes (2 or 4), the signs as int32
     XOR masks over the 32-bit words that hold a vector of such elements (a sign flip is exact, and one
-    logic op per word); lambda (floored) and its reciprocal, or None; the codebook's float32 levels, or None."""
+    logic op per word); lambda (floored) and its reciprocal, or None; a codebook's float32 midpoints and its
+    levels, or None."""
 
     sign_words: dict[int, torch.Tensor]
     lam: tuple[torch.Tensor, torch.Tensor] | None
-    levels: torch.Tensor | None = None
+    codebook: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def arguments(self, dtype: torch.dtype, reciprocal: bool) -> list:
-        """sign_words, lambda (its reciprocal for dequantize), has_lam, levels, for vectors of `dtype` (a pointer
-        that its build does not read stands in for an absent lambda or codebook)."""
+        """sign_words, lambda (its reciprocal for dequantize), has_lam, the codebook's midpoints (its levels for
+        dequantize), for vectors of `dtype` (a pointer that its build does not read stands in for an absent
+        lambda or codebook)."""
         words = self.sign_words[dtype.itemsize]
-        levels = words if self.levels is None else self.levels
+        book = words if self.codebook is None else self.codebook[int(reciprocal)]
         if self.lam is None:
-            return [words, words, 0, levels]
-        return [words, self.lam[int(reciprocal)], 1, levels]
+            return [words, words, 0, book]
+        return [words, self.lam[int(reciprocal)], 1, book]
 
 
 _constants = WeakIdKeyDictionary()  # signs tensor -> (its lambda, its codebook, their KernelConstants)
@@ -109,8 +111,9 @@ def kernel_constants(signs: torch.Tensor, lam: torch.Tensor | None,
     if hit is None or hit[0] is not lam or hit[1] is not codebook:
         pair = None if lam is None else (lam.float().contiguous(), 1.0 / lam.float())
         levels = None if codebook is None else codebook.float().contiguous()
+        book = None if levels is None else (midpoints(levels), levels)
         hit = _constants[signs] = (lam, codebook, KernelConstants(
-            {size: _sign_masks(signs, size) for size in (2, 4)}, pair, levels))
+            {size: _sign_masks(signs, size) for size in (2, 4)}, pair, book))
     return hit[2]
 
 

@@ -13,6 +13,17 @@ GRID_POINTS = 200_001
 NORM_FLOOR = 1e-12  # a vector's norm is clamped here before it divides the vector
 
 
+def midpoints(levels: torch.Tensor) -> torch.Tensor:
+    """The boundaries between ascending levels, in their dtype."""
+    return (levels[1:] + levels[:-1]) / 2
+
+
+def nearest_level(values: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Each value's nearest of the ascending levels, as an index: the count of midpoints below it (torch.bucketize's;
+    a value on a midpoint takes the lower level)."""
+    return torch.bucketize(values, midpoints(levels))
+
+
 def lloyd_max(grid: torch.Tensor, density: torch.Tensor, count: int, iterations: int = 300) -> torch.Tensor:
     """The `count` reconstruction levels (ascending) minimising E[(x - Q(x))^2] for x with the given
     density sampled on `grid`: alternately cells at the midpoints, levels at the cells' centroids
@@ -22,7 +33,7 @@ def lloyd_max(grid: torch.Tensor, density: torch.Tensor, count: int, iterations:
     quantiles = (torch.arange(count, dtype=grid.dtype) + 0.5) / count
     levels = grid[torch.searchsorted(cdf, quantiles).clamp_max(len(grid) - 1)]
     for _ in range(iterations):
-        cell = torch.bucketize(grid, (levels[1:] + levels[:-1]) / 2)
+        cell = nearest_level(grid, levels)
         mass = torch.zeros_like(levels).index_add_(0, cell, density)
         moment = torch.zeros_like(levels).index_add_(0, cell, density * grid)
         levels = torch.where(mass > 0, moment / mass.clamp_min(1e-300), levels)
@@ -66,7 +77,7 @@ def encode_unit_vector(x: torch.Tensor, rotation: "Rotation",
     index of the nearest of the ascending `levels`."""
     norm = x.norm(dim=-1, keepdim=True).to(torch.float16)
     unit = rotation.forward(x / norm.float().clamp_min(NORM_FLOOR))
-    return torch.bucketize(unit, (levels[1:] + levels[:-1]) / 2), norm
+    return nearest_level(unit, levels), norm
 
 
 def decode_unit_vector(codes: torch.Tensor, norm: torch.Tensor, rotation: "Rotation",

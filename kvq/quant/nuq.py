@@ -23,6 +23,7 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.projections import attention_modules, split_heads
+from kvq.quant.codebooks import nearest_level
 from kvq.quant.spec import ROLES, Site
 
 NUQ_FORMAT = "kvq-nuq/1"
@@ -36,7 +37,7 @@ def weighted_kmeans(points: torch.Tensor, weights: torch.Tensor, initial: torch.
     points, weights = points.double().flatten(), weights.double().flatten()
     centroids = initial.double().sort().values
     for _ in range(rounds):
-        cluster = torch.bucketize(points, (centroids[1:] + centroids[:-1]) / 2)
+        cluster = nearest_level(points, centroids)
         mass = torch.zeros_like(centroids).index_add_(0, cluster, weights)
         moment = torch.zeros_like(centroids).index_add_(0, cluster, weights * points)
         updated = torch.where(mass > 0, moment / mass.clamp_min(torch.finfo(torch.float64).tiny), centroids)

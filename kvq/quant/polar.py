@@ -19,7 +19,7 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.quant.base import Packed, Quantizer
-from kvq.quant.codebooks import angle_range, polar_angle_codebook
+from kvq.quant.codebooks import angle_range, nearest_level, polar_angle_codebook
 from kvq.quant.config import QuantizerConfig, register_quantizer
 from kvq.quant.packing import pack, packed_row_bytes, unpack
 from kvq.quant.spec import Site
@@ -61,7 +61,7 @@ class PolarQuant(Quantizer):
             if level == 0:
                 angle = torch.remainder(angle, angle_range(0))
             codebook = self._codebook(level, angle)
-            code = torch.bucketize(angle, (codebook[1:] + codebook[:-1]) / 2)
+            code = nearest_level(angle, codebook)
             codes.append(pack(code.to(torch.int16), bits))
             radii = pairs.norm(dim=-1)
         return PolarPacked(codes, radii.to(torch.float16), tuple(x.shape), x.dtype)

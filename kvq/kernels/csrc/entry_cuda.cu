@@ -70,7 +70,7 @@ __device__ __forceinline__ void kvq_prefetch_rows(const KVQ_IN_T* x, uint first,
 
 // Twelve warps per SM at 168 registers: left alone, the staged build took 204 registers, for fewer warps.
 extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 12 * KVQ_WARP / KVQ_BLOCK) kvq_quantize(
-    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, const float* levels, uchar* codes,
+    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, const float* midpoints, uchar* codes,
     KVQ_SCALE_T* scales, uint n, uint prefetch_ahead) {
     uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x;
 #if KVQ_STAGE_CODES
@@ -94,14 +94,14 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK, 12 * KVQ_WARP / KVQ_BLOC
     uint row_swizzle = 0;
 #endif
     if (vec < n) {
-        kvq_quantize_body(row, row_swizzle, sign_words, lam, has_lam, levels, tile + lane * KVQ_CODE_WORDS,
+        kvq_quantize_body(row, row_swizzle, sign_words, lam, has_lam, midpoints, tile + lane * KVQ_CODE_WORDS,
                           lane & KVQ_SWIZZLE(KVQ_CODE_WORDS, 16), scales, vec);
     }
     __syncwarp();
     kvq_copy_rows<uint, KVQ_CODE_WORDS, 16, false>((uint*)(codes + (kvq_index)first * KVQ_CODE_BYTES), tile, valid);
 #else
     if (vec >= n) return;
-    kvq_quantize_body((const uint4*)(x + (kvq_index)vec * KVQ_D), 0, sign_words, lam, has_lam, levels,
+    kvq_quantize_body((const uint4*)(x + (kvq_index)vec * KVQ_D), 0, sign_words, lam, has_lam, midpoints,
                       (uint*)(codes + (kvq_index)vec * KVQ_CODE_BYTES), 0, scales, vec);
 #endif
 }

@@ -32,7 +32,8 @@
 // of the input (quantize) or output (dequantize) element type: a sign flip is exact, so it costs one
 // logic instruction per word instead of a load and a multiply per element; lam (D floats, read when
 // has_lam): lambda floored at RotatedQuantizer's LAMBDA_FLOOR for quantize, its reciprocal for
-// dequantize; levels (2^BITS ascending floats, read by codebook builds): the codebook.
+// dequantize; for codebook builds, the codebook's 2^BITS - 1 midpoints (kvq.quant.codebooks.midpoints) for
+// quantize, its 2^BITS ascending levels for dequantize.
 
 #define KVQ_HALF (KVQ_D / 2)
 #define KVQ_GROUPS (KVQ_D / KVQ_GROUP)
@@ -299,15 +300,16 @@ KVQ_DEVICE_FN uint kvq_get_code(KVQ_THREAD const uint* words, uint i) {
 #define KVQ_LEVEL_COUNT (1 << KVQ_BITS)
 
 // TurboQuant_mse's encode (Alg. 1) of a sign-flipped vector y, as kvq.quant.codebooks.encode_unit_vector: its
-// norm stored in fp16, then each coordinate of R (y / norm) coded as the count of the midpoints below it
-// (torch.bucketize's index: its nearest level), packed little-end first (a code may span two words). The squares
+// norm stored in fp16, then each coordinate of R (y / norm) coded as the count of the codebook's midpoints below
+// it (its nearest level, as nearest_level counts), packed little-end first (a code may span two words). The squares
 // are summed in another order than torch's, which the fp16 rounding of the norm hides but within an fp16 ulp of
 // a rounding boundary; the rotation's arithmetic differs from torch's by ~1e-7 of the norm, so a code can differ
 // from the reference's only for a coordinate that close to a midpoint (the tests count both).
-KVQ_DEVICE_FN void kvq_quantize_codebook(KVQ_THREAD float* y, KVQ_GMEM const float* levels, KVQ_GMEM uint* code_words,
-                                         uint code_swizzle, KVQ_GMEM kvq_half* norms, uint vec) {
-    float midpoints[KVQ_LEVEL_COUNT - 1];  // as the reference's: (levels[1:] + levels[:-1]) / 2
-    KVQ_UNROLL for (uint k = 0; k + 1 < KVQ_LEVEL_COUNT; ++k) midpoints[k] = (levels[k + 1] + levels[k]) / 2.0f;
+KVQ_DEVICE_FN void kvq_quantize_codebook(KVQ_THREAD float* y, KVQ_GMEM const float* midpoints,
+                                         KVQ_GMEM uint* code_words, uint code_swizzle, KVQ_GMEM kvq_half* norms,
+                                         uint vec) {
+    float held[KVQ_LEVEL_COUNT - 1];
+    KVQ_UNROLL for (uint k = 0; k + 1 < KVQ_LEVEL_COUNT; ++k) held[k] = midpoints[k];
     float squares = 0.0f;
     KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) squares = kvq_fma(y[i], y[i], squares);
     kvq_half stored = kvq_to_half(kvq_sqrt(squares));
@@ -320,7 +322,7 @@ KVQ_DEVICE_FN void kvq_quantize_codebook(KVQ_THREAD float* y, KVQ_GMEM const flo
     KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) {
         float unit = y[i] * KVQ_ROTATION_NORM;
         uint code = 0;
-        KVQ_UNROLL for (uint k = 0; k < KVQ_LEVEL_COUNT - 1; ++k) code += unit > midpoints[k] ? 1u : 0u;
+        KVQ_UNROLL for (uint k = 0; k < KVQ_LEVEL_COUNT - 1; ++k) code += unit > held[k] ? 1u : 0u;
         kvq_put_code(words, i, code);
     }
     KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) code_words[w ^ code_swizzle] = words[w];
@@ -351,7 +353,7 @@ KVQ_DEVICE_FN void kvq_codebook_levels(KVQ_GMEM const uchar* codes, KVQ_GMEM con
 // aligned: D * size >= 16).
 KVQ_DEVICE_FN void kvq_quantize_body(
     KVQ_GMEM const uint4* row, uint row_swizzle, KVQ_GMEM const uint* sign_words, KVQ_GMEM const float* lam,
-    uint has_lam, KVQ_GMEM const float* levels, KVQ_GMEM uint* code_words, uint code_swizzle,
+    uint has_lam, KVQ_GMEM const float* midpoints, KVQ_GMEM uint* code_words, uint code_swizzle,
     KVQ_GMEM KVQ_SCALE_T* scales, uint vec) {
     float y[KVQ_D];
     KVQ_GMEM const uint4* flips = (KVQ_GMEM const uint4*)sign_words;
@@ -365,7 +367,7 @@ KVQ_DEVICE_FN void kvq_quantize_body(
         }
     }
 #if KVQ_CODEBOOK
-    kvq_quantize_codebook(y, levels, code_words, code_swizzle, scales, vec);
+    kvq_quantize_codebook(y, midpoints, code_words, code_swizzle, scales, vec);
 #else
     kvq_rotate_forward(y);
     if (has_lam) kvq_scale_by(y, lam);
