@@ -1,0 +1,46 @@
+"""Per layout of tests/test_static_cache_models.py on SmolLM2 in fp16 on a device: the fused static cache's gap to
+the protocol cache and the quantization's effect (protocol cache against fp), beside the fp16 floor (the unquantized
+model's log-probabilities in fp16 against fp32 on the same device), so the test's bound can be read against the
+rounding that fp16 alone makes.
+
+    python benchmarks/static_cache_fp16_floor.py cuda [layout ...]
+"""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")
+import test_static_cache_models as t
+from conftest import loaded
+
+from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
+from kvq.cache import fused_decoding
+from kvq.data import token_windows
+from kvq.policy import parse_policy
+from kvq.protocol import Protocol
+from kvq.static_cache import StaticQuantizedCache
+
+device = sys.argv[1]
+lm = loaded("smollm2-135m")
+tokens = token_windows(lm.tokenizer, "shakespeare", t.PROMPT + t.STEPS, 1).to(device)
+
+
+def fp_log_probs(dtype):
+    lm.model.to(device, dtype)
+    with quantized_kv(lm.model, None, "cache") as fresh:
+        return t.step_log_probs(lm.model, fresh()["past_key_values"], tokens).float()
+
+
+fp32, fp16 = fp_log_probs(torch.float32), fp_log_probs(torch.float16)
+print(f"fp16 floor {(fp32 - fp16).abs().max().item():.5f}")
+for layout in sys.argv[2:] or t.LAYOUTS:
+    spec, policy, window = t.LAYOUTS[layout]
+    bank = QuantizerBank(spec, kv_geometry(lm.model.config), policy=parse_policy(policy))
+    with quantized_kv(lm.model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
+        reference = t.step_log_probs(lm.model, fresh()["past_key_values"], tokens).float()
+    static = StaticQuantizedCache(bank, lm.model.config, t.PROMPT + t.STEPS, window)
+    with fused_decoding(lm.model, static):
+        fused = t.step_log_probs(lm.model, static, tokens).float()
+    gap, effect = (fused - reference).abs().max().item(), (reference - fp16).abs().max().item()
+    print(f"{layout:24s} gap {gap:.5f}  quantization {effect:.5f}  ratio {effect / gap:.1f}  "
+          f"reference max {reference.abs().max().item():.3f}")
