@@ -1,10 +1,11 @@
-"""Per layout of tests/test_static_cache_models.py on SmolLM2 in fp16 on a device: the fused static cache's gap to
-the protocol cache and the quantization's effect (protocol cache against fp), beside the fp16 floor (the unquantized
-model's log-probabilities in fp16 against fp32 on the same device), so the test's bound can be read against the
-rounding that fp16 alone makes.
+"""Per layout of tests/test_static_cache_models.py on a built-in model in fp16 on a device: the fused static
+cache's gap to the protocol cache and the quantization's effect (protocol cache against fp), beside the fp16
+floor (the unquantized model's log-probabilities in fp16 against fp32 on the same device), so the test's bound
+can be read against the rounding that fp16 alone makes.
 
-    python benchmarks/static_cache_fp16_floor.py cuda [layout ...]
+    python benchmarks/static_cache_fp16_floor.py cuda [--model smollm2-135m] [layout ...]
 """
+import argparse
 import sys
 
 import torch
@@ -20,8 +21,15 @@ from kvq.policy import parse_policy
 from kvq.protocol import Protocol
 from kvq.static_cache import StaticQuantizedCache
 
-device = sys.argv[1]
-lm = loaded("smollm2-135m")
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("device")
+parser.add_argument("--model", default="smollm2-135m")
+parser.add_argument("layouts", nargs="*", help=f"of {', '.join(t.LAYOUTS)} (default: all)")
+args = parser.parse_intermixed_args()
+if set(args.layouts) - set(t.LAYOUTS):
+    parser.error(f"unknown layouts {sorted(set(args.layouts) - set(t.LAYOUTS))}")
+device = args.device
+lm = loaded(args.model)
 tokens = token_windows(lm.tokenizer, "shakespeare", t.PROMPT + t.STEPS, 1).to(device)
 
 
@@ -33,7 +41,7 @@ def fp_log_probs(dtype):
 
 fp32, fp16 = fp_log_probs(torch.float32), fp_log_probs(torch.float16)
 print(f"fp16 floor {(fp32 - fp16).abs().max().item():.5f}")
-for layout in sys.argv[2:] or t.LAYOUTS:
+for layout in args.layouts or t.LAYOUTS:
     spec, policy, window = t.LAYOUTS[layout]
     bank = QuantizerBank(spec, kv_geometry(lm.model.config), policy=parse_policy(policy))
     with quantized_kv(lm.model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
