@@ -14,12 +14,8 @@ sys.path.insert(0, "tests")
 import test_static_cache_models as t
 from conftest import loaded
 
-from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
-from kvq.cache import fused_decoding
+from kvq.apply import quantized_kv
 from kvq.data import token_windows
-from kvq.policy import parse_policy
-from kvq.protocol import Protocol
-from kvq.static_cache import StaticQuantizedCache
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("device")
@@ -42,13 +38,7 @@ def fp_log_probs(dtype):
 fp32, fp16 = fp_log_probs(torch.float32), fp_log_probs(torch.float16)
 print(f"fp16 floor {(fp32 - fp16).abs().max().item():.5f}")
 for layout in args.layouts or t.LAYOUTS:
-    spec, policy, window = t.LAYOUTS[layout]
-    bank = QuantizerBank(spec, kv_geometry(lm.model.config), policy=parse_policy(policy))
-    with quantized_kv(lm.model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
-        reference = t.step_log_probs(lm.model, fresh()["past_key_values"], tokens).float()
-    static = StaticQuantizedCache(bank, lm.model.config, t.PROMPT + t.STEPS, window)
-    with fused_decoding(lm.model, static):
-        fused = t.step_log_probs(lm.model, static, tokens).float()
-    gap, effect = (fused - reference).abs().max().item(), (reference - fp16).abs().max().item()
+    reference, fp, fused = (log_probs.float() for log_probs in t.log_probs_three_ways(lm, layout, tokens))
+    gap, effect = (fused - reference).abs().max().item(), (reference - fp).abs().max().item()
     print(f"{layout:24s} gap {gap:.5f}  quantization {effect:.5f}  ratio {effect / gap:.1f}  "
           f"reference max {reference.abs().max().item():.3f}")

@@ -12,6 +12,7 @@ import torch
 
 from kvq import ops
 from kvq.quant import QUANTIZERS, QuantSpec, Site, build_quantizer
+from kvq.quant.spec import ROLES
 
 
 def roundtrip_digests() -> dict[str, str]:
@@ -21,7 +22,7 @@ def roundtrip_digests() -> dict[str, str]:
     digests = {}
     for name in sorted(QUANTIZERS.names()):
         for bits in (2, 3, 4):
-            for role in ("k", "v"):
+            for role in ROLES:
                 try:
                     quantizer = build_quantizer(QuantSpec(name, bits), Site(1, role, x.shape[-1]))
                     y = ops.roundtrip(quantizer, x)

@@ -50,6 +50,21 @@ def step_log_probs(model, cache, tokens: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+def log_probs_three_ways(lm, layout: str, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """step_log_probs of the model where it is (device, dtype) through the reference protocol cache under `layout`,
+    through fp's cache, and through the static cache under `layout`."""
+    spec, policy, window = LAYOUTS[layout]
+    bank = QuantizerBank(spec, kv_geometry(lm.model.config), policy=parse_policy(policy))
+    with quantized_kv(lm.model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
+        reference = step_log_probs(lm.model, fresh()["past_key_values"], tokens)
+    with quantized_kv(lm.model, None, "cache") as fresh:
+        fp = step_log_probs(lm.model, fresh()["past_key_values"], tokens)
+    static = StaticQuantizedCache(bank, lm.model.config, PROMPT + STEPS, window)
+    with fused_decoding(lm.model, static):
+        fused = step_log_probs(lm.model, static, tokens)
+    return reference, fp, fused
+
+
 @requires_models
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -60,16 +75,8 @@ def test_decode_steps_through_the_static_cache_score_as_the_protocol_cache(name,
     dtype = torch.float32 if device == "cpu" else torch.float16
     lm.model.to(device, dtype)
     try:
-        spec, policy, window = LAYOUTS[layout]
-        bank = QuantizerBank(spec, kv_geometry(lm.model.config), policy=parse_policy(policy))
         tokens = token_windows(lm.tokenizer, "shakespeare", PROMPT + STEPS, 1).to(device)
-        with quantized_kv(lm.model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
-            reference = step_log_probs(lm.model, fresh()["past_key_values"], tokens)
-        with quantized_kv(lm.model, None, "cache") as fresh:
-            fp = step_log_probs(lm.model, fresh()["past_key_values"], tokens)
-        static = StaticQuantizedCache(bank, lm.model.config, PROMPT + STEPS, window)
-        with fused_decoding(lm.model, static):
-            fused = step_log_probs(lm.model, static, tokens)
+        reference, fp, fused = log_probs_three_ways(lm, layout, tokens)
     finally:
         lm.model.to("cpu", torch.float32)
     gap = (fused - reference).abs().max().item()
