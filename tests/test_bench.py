@@ -212,3 +212,14 @@ def test_the_cli_help_names_every_cache_a_bench_takes():
         listed = inspect.signature(command).parameters["caches"].default.help
         listed = listed.split("subset of: ", 1)[1].split(" (default", 1)[0]
         assert [name.strip() for name in listed.split(",")] == names
+
+
+def test_kernels_table_gives_each_quantize_row_and_its_torch_reference_their_x_floor():
+    """A row moving 4.19 MB at a 4.19 TB/s copy rate has a 1 us floor: its kernel at 0.2 ns x 10000 vectors runs at
+    2x it, its reference at 100 us at 100x it."""
+    row = {"kernel": "k", "vectors": 10000, "d": 128, "bytes_moved": 4.19e6, "fused_ns_per_vector": 0.2,
+           "fused_GBps": 2095.0, "fraction_of_peak_bandwidth": 0.5, "inverse_ns_per_vector": 0.1,
+           "eager_call_us": 50.0, "reference_call_us": 100.0}
+    text = tables.kernels_tables({"peak_bandwidth_Bps": 4.8e12, "copy_bandwidth_Bps": 4.19e12, "quantize": [row],
+                                  "attention": []})
+    assert "| k | 10000 x 128 | 0.20 | 2095.0 | 50.0% | 1.0 | 2.00 | 0.10 | 50.0 | 100.0 | 100.0 |" in text
