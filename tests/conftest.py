@@ -76,7 +76,7 @@ def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group:
     """Packed K or V as the fused cache holds them: Gaussian rows through a per-group ScalarQuantizer (scales,
     then offsets where not `symmetric`); or, with token_group > 1, KIVI's keys: per channel over groups of that
     many tokens, in buffers of whole groups of which the first `tokens` rows count; or, with a codebook, random
-    indices into it and a norm per token (TurboQuant_mse's codes)."""
+    indices into it and a scale per group (with group = d, a norm per token: TurboQuant_mse's codes)."""
     from kvq.kernels.stats import packed_stats
     from kvq.kernels.step import PackedKV
     from kvq.ops import SCALE_DTYPE_NAMES
@@ -85,7 +85,7 @@ def random_packed(batch: int, heads: int, tokens: int, d: int, bits: int, group:
 
     if codebook is not None:
         indices = torch.randint(0, 1 << bits, (batch, heads, tokens, d), generator=generator)
-        norms = (torch.rand(batch, heads, tokens, 1, generator=generator) * 4 + 0.5).to(scale_dtype)
+        norms = (torch.rand(batch, heads, tokens, d // group, generator=generator) * 4 + 0.5).to(scale_dtype)
         return PackedKV(pack(indices, bits).to(device), norms.to(device), bits, d, codebook=codebook.to(device))
     held = -(-tokens // token_group) * token_group
     rows = torch.randn(batch, heads, held, d, generator=generator)

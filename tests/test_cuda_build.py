@@ -44,19 +44,23 @@ def compile_log(source: str, arch: str) -> tuple[int, str]:
     return status, log.value.decode(errors="replace")
 
 
-# (query dtype, scale dtype, key bits, offsets, key channels): each kind of build partial_fits admits
-BUILDS = [(torch.float16, scales, bits, offsets, 0) for scales in (torch.float32, torch.float16)
+# (query dtype, scale dtype, key bits, offsets, key channels, codebook, one scale per token): each kind of build
+# partial_fits admits
+BUILDS = [(torch.float16, scales, bits, offsets, 0, False, False) for scales in (torch.float32, torch.float16)
           for bits in cuda_decode.KEY_BITS for offsets in (False, True)] + [
-    (torch.bfloat16, torch.float32, 4, False, 0), (torch.float32, torch.float16, 8, True, 0),
-    (torch.float16, torch.float16, 4, True, 32), (torch.bfloat16, torch.float16, 4, True, 16)]
+    (torch.bfloat16, torch.float32, 4, False, 0, False, False),
+    (torch.float32, torch.float16, 8, True, 0, False, False),
+    (torch.float16, torch.float16, 4, True, 32, False, False),
+    (torch.bfloat16, torch.float16, 4, True, 16, False, False),
+    (torch.float16, torch.float16, 4, False, 0, True, True), (torch.bfloat16, torch.float16, 4, False, 0, True, True),
+    (torch.float16, torch.float16, 4, False, 0, True, False)]
 
 
 @requires_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])  # the oldest it builds on, and the one with PDL
 @pytest.mark.parametrize("build", BUILDS, ids=lambda b: "-".join(str(part).replace("torch.", "") for part in b))
 def test_every_decode_attention_build_compiles(build, arch):
-    dtype, scales, key_bits, offsets, key_channels = build
-    status, log = compile_log(cuda_decode.source(dtype, scales, key_bits, offsets, key_channels), arch)
+    status, log = compile_log(cuda_decode.source(*build), arch)
     assert status == 0, log
 
 

@@ -122,6 +122,28 @@ def test_cuda_partial_kernel_takes_offsets_on_both_sides_or_on_neither(key_form,
         fits and (key_form[2] == 1 or scales == torch.float16))
 
 
+@pytest.mark.parametrize("key_bits, value_bits, group, tokens, q_heads, scales, fits", [
+    (4, 4, 128, 64, 32, torch.float16, True),  # TurboQuant_mse-4: a norm per token
+    (4, 4, 128, 60, 32, torch.float16, False),  # rows of norms that do not start 16-byte aligned per head
+    (4, 4, 32, 60, 32, torch.float16, True),  # a scale per 32 coordinates (iq4_nl's blocks): rows of 8 bytes
+    (4, 4, 128, 64, 40, torch.float16, False),  # 5 query heads per KV head
+    (4, 4, 128, 64, 32, torch.float32, False),  # codebook scales are fp16
+    (3, 3, 128, 64, 32, torch.float16, False),  # 3-bit codes: the Triton partial
+    (4, 3, 128, 64, 32, torch.float16, False),
+    (4, None, 128, 64, 32, torch.float16, False),  # codebook keys beside int4 values
+])
+def test_cuda_partial_kernel_takes_4_bit_codebook_codes(key_bits, value_bits, group, tokens, q_heads, scales, fits,
+                                                       monkeypatch):
+    monkeypatch.setattr(cuda_decode, "properties", lambda device: SimpleNamespace(major=9))
+    keys, values = (random_packed(1, 8, tokens, 128, bits or 4, group if bits else 32, "cpu", scale_dtype=scales,
+                                  codebook=lloyd_max_gaussian(bits) / 128 ** 0.5 if bits else None)
+                    for bits in (key_bits, value_bits))
+    query = torch.zeros(1, q_heads, 128, dtype=torch.float16)
+    window = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
+    assert cuda_decode.partial_fits(query, keys, values, (window, window)) == fits
+    assert cuda_decode.token_scales(keys) == (group == 128)
+
+
 @pytest.mark.parametrize("major, builds", [(7, False), (8, True), (9, True)])
 def test_cuda_kernels_serve_from_sm_80_on(major, builds, monkeypatch):
     """csrc/decode_attention.cu's mma.sync m16n8k16 and cp.async need sm_80: Triton serves older GPUs."""
@@ -794,20 +816,28 @@ def test_decode_attention_with_per_channel_keys_equals_dequantize_then_sdpa(batc
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, key_bits, value_bits, dtype", [
-    (1, 32, 8, 128, 32768, 16, 4, 4, torch.float16),  # TurboQuant-4 at Llama-3-8B's shapes
-    (2, 16, 4, 128, 3001, 16, 3, 3, torch.float16),
-    (3, 9, 3, 64, 517, 0, 2, 4, torch.float32),
-    (1, 4, 1, 256, 1000, 15, 4, 3, torch.float32),
-    (1, 14, 2, 64, 1, 1, 3, 3, torch.bfloat16),
-    (1, 8, 2, 128, 777, 5, 5, 8, torch.float16),  # wider codes: their levels gathered, not looked up in registers
+@pytest.mark.parametrize("batch, q_heads, kv_heads, d, tokens, window, key_bits, value_bits, group, dtype", [
+    (1, 32, 8, 128, 32768, 16, 4, 4, 128, torch.float16),  # TurboQuant-4 at Llama-3-8B's shapes
+    # csrc/decode_attention.cu's codebook shapes: ragged tiles, an empty window, one query head per KV head
+    (2, 16, 4, 128, 3000, 16, 4, 4, 128, torch.float16),
+    (1, 12, 4, 128, 3000, 0, 4, 4, 128, torch.bfloat16),
+    (1, 8, 8, 128, 72, 3, 4, 4, 128, torch.float32),
+    (1, 8, 2, 128, 777, 5, 4, 4, 128, torch.float16),  # rows of norms not 16-byte aligned per head: Triton's
+    (2, 16, 4, 128, 3001, 16, 4, 4, 32, torch.float16),  # a scale per 32 coordinates (iq4_nl's blocks)
+    (2, 16, 4, 128, 3001, 16, 3, 3, 128, torch.float16),
+    (3, 9, 3, 64, 517, 0, 2, 4, 64, torch.float32),
+    (1, 4, 1, 256, 1000, 15, 4, 3, 256, torch.float32),
+    (1, 14, 2, 64, 1, 1, 3, 3, 64, torch.bfloat16),
+    (1, 8, 2, 128, 777, 5, 5, 8, 128, torch.float16),  # wider codes: their levels gathered, not looked up in registers
 ])
 def test_decode_attention_over_codebook_codes_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens,
-                                                                          window, key_bits, value_bits, dtype):
+                                                                          window, key_bits, value_bits, group, dtype):
     """TurboQuant_mse's layout: indices into its Lloyd-Max levels (of a unit vector's coordinates) and an fp16 norm
-    per token; the Triton partial looks the levels up and takes the norm as each token's scale."""
+    per token (or, iq4_nl's, an fp16 scale per group of 32). 4-bit codes at head_dim 128 with at most 4 query heads per
+    KV head go through the CUDA partial, which looks their levels up by byte permutes, where each head's rows of
+    per-token norms start 16-byte aligned; the rest through the Triton partial."""
     _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, (key_bits, True), (value_bits, True),
-                            d, dtype, torch.float16, codebooks=True)
+                            group, dtype, torch.float16, codebooks=True)
 
 
 def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window, key_form, value_form, group, dtype,
@@ -833,6 +863,9 @@ def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window
                      and scales == torch.float16)
         assert cuda_decode.partial_fits(query, keys, values, window) == (
             kivi_keys if token_group > 1 else key_symmetric == value_symmetric)
+    if partial == "cuda" and codebooks:
+        assert cuda_decode.partial_fits(query, keys, values, window) == (
+            d == 128 and key_bits == value_bits == 4 and q_heads // kv_heads <= 4 and (group == 32 or tokens % 8 == 0))
     got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
                                                                                                       d ** -0.5)
     # the second call goes through the compiled kernels' own launchers

@@ -30,14 +30,14 @@ class DecodeArguments(ctypes.Structure):
     """csrc/decode_attention.cu's kvq_decode_args, field for field."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "query_map", "query", "key_codes", "key_scales", "value_codes", "value_scales", "window_keys",
-        "window_values", "partial", "maxima", "sums", "lengths")] + [(name, ctypes.c_uint) for name in (
+        "query_map", "query", "key_codes", "key_scales", "value_codes", "value_scales", "key_levels", "value_levels",
+        "window_keys", "window_values", "partial", "maxima", "sums", "lengths")] + [(name, ctypes.c_uint) for name in (
             "n_packed", "n_window", "tokens_per_split", "n_packed_splits", "gqa", "capacity",
             "window_capacity")] + [("scale", ctypes.c_float), ("device_lengths", ctypes.c_uint)]
 
     @classmethod
     def of(cls, buffers: list[torch.Tensor], counts: list[int], scale: float, device_lengths: bool):
-        """buffers: the twelve pointers in field order; counts: the seven counts in field order."""
+        """buffers: the fourteen pointers in field order; counts: the seven counts in field order."""
         return cls(*(t.data_ptr() for t in buffers), *counts, scale, int(device_lengths))
 
 
@@ -52,46 +52,74 @@ def reduce_fits(query: torch.Tensor) -> bool:
     return query.shape[-1] == HEAD_DIM and query.dtype in DTYPE_DEFINES and builds_on(query.device)
 
 
+def _codebook_fits(keys, values) -> bool:
+    """4-bit codebook codes for both roles (TurboQuant_mse-4's, iq4_nl's) with fp16 scales: one per token (a norm, in
+    rows whose stats a tile copies 8 tokens at a time, so each head's rows start 16-byte aligned) or one per group of
+    32 coordinates."""
+    per_token = keys.scales.shape[-1] == values.scales.shape[-1] == 1
+    aligned = all(p.scales.data_ptr() % 16 == 0 and p.scales.stride(1) % 8 == 0 for p in (keys, values))
+    return (keys.bits == values.bits == 4 and keys.symmetric and values.symmetric
+            and keys.float_mantissa is None and values.float_mantissa is None
+            and keys.codebook.numel() == values.codebook.numel() == 16 and keys.token_group == 1
+            and keys.scales.dtype == torch.float16
+            and (keys.scales.shape[-1] == values.scales.shape[-1] == GROUPS or (per_token and aligned)))
+
+
+def token_scales(keys) -> bool:
+    """Whether a build for these K (PackedKV) reads one scale per token (KVQ_TOKEN_SCALE)."""
+    return keys.codebook is not None and keys.scales.shape[-1] == 1
+
+
 def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """The shapes csrc/decode_attention.cu is written for (its header): V in scale groups of 32 per token; K alike, or
     KIVI's int4 keys (fp16 stats per channel over token groups that are whole tiles); K and V both symmetric or both
-    with offsets; the window in the query's dtype. keys, values: PackedKV."""
+    with offsets; or both 4-bit codebook codes (_codebook_fits); the window in the query's dtype. keys, values:
+    PackedKV."""
+    if (keys.codebook is None) != (values.codebook is None):
+        return False
     stats = GROUPS * (1 + (not values.symmetric))
-    if keys.token_group > 1:
+    if keys.codebook is not None:
+        keys_fit = _codebook_fits(keys, values)
+        stats = values.scales.shape[-1]
+    elif keys.token_group > 1:
         keys_fit = (keys.bits == 4 and keys.token_group % TILE == 0 and keys.scales.shape[-1] == 2 * HEAD_DIM
                     and keys.scales.dtype == torch.float16 and not values.symmetric)
     else:
         keys_fit = keys.bits in KEY_BITS and keys.symmetric == values.symmetric and keys.scales.shape[-1] == stats
     return (builds_on(query.device) and keys_fit and values.bits == 4 and keys.head_dim == HEAD_DIM
-            and values.token_group == 1 and keys.codebook is None and values.codebook is None
-            and values.scales.shape[-1] == stats
+            and values.token_group == 1 and values.scales.shape[-1] == stats
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= MAX_GQA and query.dtype in DTYPE_DEFINES
             and window[0].dtype == window[1].dtype == query.dtype)
 
 
 def source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32, key_bits: int = 4,
-           offsets: bool = False, key_channels: int = 0) -> str:
+           offsets: bool = False, key_channels: int = 0, codebook: bool = False, token_scale: bool = False) -> str:
     """The translation unit of the partial and reduce kernels for query, window and output elements of
-    `dtype`, scales of `scale_dtype`, keys of `key_bits`, unsigned codes with offsets where `offsets`, and keys with
-    stats per channel over groups of `key_channels` tokens where it is set."""
+    `dtype`, scales of `scale_dtype`, keys of `key_bits`, unsigned codes with offsets where `offsets`, keys with
+    stats per channel over groups of `key_channels` tokens where it is set, 4-bit codebook codes where `codebook`,
+    and one scale per token where `token_scale`."""
     defines = (f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n#define KVQ_SCALE_HALF {int(scale_dtype == torch.float16)}\n"
                f"#define KVQ_KEY_BITS {key_bits}\n#define KVQ_OFFSETS {int(offsets)}\n"
-               f"#define KVQ_KEY_CHANNELS {key_channels}\n")
+               f"#define KVQ_KEY_CHANNELS {key_channels}\n#define KVQ_CODEBOOK {int(codebook)}\n"
+               f"#define KVQ_TOKEN_SCALE {int(token_scale)}\n")
     return defines + kernel_text("decode_primitives.cuh") + kernel_text("decode_attention.cu")
 
 
 def partial_kernel_for(query: torch.Tensor, keys) -> CudaLaunch:
     """The partial kernel's build for this query and K (PackedKV; V matches it where partial_fits)."""
     key_channels = keys.token_group if keys.token_group > 1 else 0
-    return partial_kernel(query.dtype, keys.scales.dtype, keys.bits, not keys.symmetric, key_channels, query.device)
+    codebook = keys.codebook is not None
+    offsets = not keys.symmetric and not codebook
+    return partial_kernel(query.dtype, keys.scales.dtype, keys.bits, offsets, key_channels, codebook,
+                          token_scales(keys), query.device)
 
 
 @lru_cache(maxsize=16)
 def partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, key_bits: int, offsets: bool, key_channels: int,
-                   device: torch.device) -> CudaLaunch:
-    return CudaLaunch.compile(source(dtype, scale_dtype, key_bits, offsets, key_channels), "kvq_decode_partial",
-                              device)
+                   codebook: bool, token_scale: bool, device: torch.device) -> CudaLaunch:
+    return CudaLaunch.compile(source(dtype, scale_dtype, key_bits, offsets, key_channels, codebook, token_scale),
+                              "kvq_decode_partial", device)
 
 
 @lru_cache(maxsize=8)

@@ -1,5 +1,6 @@
 // Split-K partials of fused decode attention (kvq.kernels.decode_attention) for head_dim 128, int4 or int8 K
-// (KVQ_KEY_BITS) and int4 V with scale groups of 32, and up to 4 query heads per KV head: Open-TQ-Metal Alg. 1 with
+// (KVQ_KEY_BITS) and int4 V with scale groups of 32 (or 4-bit codebook codes, KVQ_CODEBOOK, below), and up to 4 query
+// heads per KV head: Open-TQ-Metal Alg. 1 with
 // FlashDecoding's split-K, in tensor-core fragments chosen so that packed codes become mma operands in
 // registers, with no layout change through shared memory (Triton's layouts rebuild V's and the query's
 // operands through shared memory and register moves on every tile).
@@ -43,6 +44,13 @@
 // warp takes tiles two at a time, and at the first tile of a group folds the group's scales into the query's
 // fragments and its offsets into the rows' starting scores; a token's share of the score then meets no scale of its
 // own.
+//
+// With KVQ_CODEBOOK 1 (TurboQuant_mse-4's codes, llama.cpp's iq4_nl), K's and V's 4-bit codes index a 16-level table
+// each (the roles' float32 levels, made fp16 byte tables once per program in shared memory, key_levels and
+// value_levels): byte permutes look up 8 codes' levels at a time in registers (kvq_lookup_levels), the low nibbles'
+// and the high nibbles' as the int4 conversion places them, exact, so no bias and no division of the query. With
+// KVQ_TOKEN_SCALE 1 a token's one fp16 stat (TurboQuant's norm) scales all four of its groups; its stage holds the
+// tile's 16 stats per role, copied 8 at a time.
 
 #define KVQ_D 128
 #define KVQ_ROW_BYTES 64                  // int4 codes of one token
@@ -51,9 +59,25 @@
 #endif
 #define KVQ_KEY_ROW_BYTES (KVQ_D * KVQ_KEY_BITS / 8)
 #define KVQ_GROUPS 4                      // scale groups of 32 coordinates
+#ifndef KVQ_CODEBOOK
+#define KVQ_CODEBOOK 0
+#endif
+#ifndef KVQ_TOKEN_SCALE
+#define KVQ_TOKEN_SCALE 0
+#endif
+#if KVQ_TOKEN_SCALE
+#define KVQ_STATS 1                       // one scale per token and role
+#else
 #define KVQ_STATS (KVQ_GROUPS * (1 + KVQ_OFFSETS))  // stats per token and role: scales, then any offsets
+#endif
 #ifndef KVQ_KEY_CHANNELS
 #define KVQ_KEY_CHANNELS 0
+#endif
+#if KVQ_CODEBOOK && (KVQ_KEY_BITS != 4 || KVQ_OFFSETS || KVQ_KEY_CHANNELS)
+#error "codebook codes are 4-bit indices with scales and no offsets"
+#endif
+#if KVQ_TOKEN_SCALE && !(KVQ_CODEBOOK && KVQ_SCALE_HALF)
+#error "one scale per token is TurboQuant_mse's fp16 norm"
 #endif
 #if KVQ_KEY_CHANNELS && !(KVQ_SCALE_HALF && KVQ_OFFSETS && KVQ_KEY_BITS == 4)
 #error "per-channel keys are KIVI's: int4 codes with fp16 scales and offsets"
@@ -118,7 +142,11 @@ __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned lon
     unsigned long long first_token = head_row + first_t0;
     uint chunk = lane % 4;
     plan.token = lane / 4;
+#if KVQ_TOKEN_SCALE
+    plan.scale_token = 8 * (lane % KVQ_TILE);  // lanes 0, 1 (K) and 16, 17 (V): tokens 0-7 and 8-15; the rest none
+#else
     plan.scale_token = lane % KVQ_TILE;
+#endif
     plan.key = key_codes + (first_token + plan.token) * KVQ_KEY_ROW_BYTES + 16 * chunk;
     plan.value = value_codes + (first_token + plan.token) * KVQ_ROW_BYTES + 16 * chunk;
     plan.scales = (lane < KVQ_TILE ? key_scales : value_scales) + (first_token + plan.scale_token) * KVQ_STATS;
@@ -186,6 +214,15 @@ __device__ __forceinline__ void kvq_copy_stats(uint shared, const kvq_scale* glo
 #endif
 }
 
+// One scale per token: the lane's 8 tokens' scales from `scales` (its first), `tokens` of them valid, the rest
+// zero-filled (a zero scale times a zero probability adds nothing, where a stale one could be inf or NaN).
+__device__ __forceinline__ void kvq_copy_token_scales(const kvq_copy_plan& plan, uint stage, const kvq_scale* scales,
+                                                      uint tokens) {
+    if (plan.scale_token < KVQ_TILE) {
+        kvq_copy16(stage + plan.scale_at, tokens ? scales : scales - plan.scale_token, 2 * tokens);
+    }
+}
+
 // A tile's stats: per token (a lane's token's row, zero-filled unless `valid`), or for per-channel keys the K-stats
 // lanes' chunks of the group that holds token t0 (every token of the tile is in it).
 __device__ __forceinline__ void kvq_copy_tile_stats(const kvq_copy_plan& plan, uint stage, const kvq_scale* scales,
@@ -222,7 +259,11 @@ __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint s
     kvq_copy16(stage + plan.value_at, valid ? value : value - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
     kvq_copy16(stage + plan.value_next_at, next_valid ? value + next : value - plan.token * KVQ_ROW_BYTES,
                next_valid ? 16 : 0);
+#if KVQ_TOKEN_SCALE
+    kvq_copy_token_scales(plan, stage, scales, scale_valid ? min(end - t0 - plan.scale_token, 8u) : 0u);
+#else
     kvq_copy_tile_stats(plan, stage, scale_valid ? scales : scales - plan.scale_token * KVQ_STATS, t0, scale_valid);
+#endif
 }
 
 // The same for a tile wholly before `end` (all of a split's but its last): no bounds to check, no zero fill,
@@ -242,7 +283,11 @@ __device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, 
 #endif
     kvq_copy16_whole(stage + plan.value_at, from.value);
     kvq_copy16_whole(stage + plan.value_next_at, from.value + KVQ_NEXT_ROWS);
+#if KVQ_TOKEN_SCALE
+    kvq_copy_token_scales(plan, stage, from.scales, 8);
+#else
     kvq_copy_tile_stats(plan, stage, from.scales, t0, true);
+#endif
 }
 
 // The query map, x -> x M for the program's query rows, as mma's with M^T as the A operand in the host's fragment
@@ -316,8 +361,12 @@ __device__ __forceinline__ float kvq_query_halves(const float* q, bool live, flo
         float4 coords = live ? *(const float4*)(q + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         q_sum += coords.x + coords.y + coords.z + coords.w;
         q_low[chunk] = kvq_half2(coords.x * q_scale, coords.z * q_scale);
+#if KVQ_CODEBOOK  // levels come in exact
+        q_high[chunk] = kvq_half2(coords.y * q_scale, coords.w * q_scale);
+#else
         q_high[chunk] = kvq_half2(coords.y * q_scale * 0.0625f, coords.w * q_scale * 0.0625f);
         bias += KVQ_LOW_BIAS * kvq_half2_sum(q_low[chunk]) + KVQ_HIGH_BIAS * kvq_half2_sum(q_high[chunk]);
+#endif
 #endif
     }
     return bias;
@@ -382,6 +431,8 @@ struct kvq_decode_args {
     const kvq_scale* key_scales;
     const uchar* value_codes;
     const kvq_scale* value_scales;
+    const float* key_levels;    // KVQ_CODEBOOK: each role's 16 float32 levels (else unread)
+    const float* value_levels;
     const kvq_elem* window_keys;
     const kvq_elem* window_values;
     float* partial;
@@ -394,8 +445,8 @@ struct kvq_decode_args {
 };
 
 // Tokens [start, end) of (batch, KV head) bh: split `split` of the grid's.
-__device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uchar* stages, float* rows, uint start,
-                                                 uint end, uint bh, uint split) {
+__device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uchar* stages, float* rows,
+                                                 const kvq_levels* tables, uint start, uint end, uint bh, uint split) {
     const kvq_elem* query = args.query;
     const uchar *key_codes = args.key_codes, *value_codes = args.value_codes;
     const kvq_scale *key_scales = args.key_scales, *value_scales = args.value_scales;
@@ -486,6 +537,9 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
 #endif
 
         // scores of tokens r (n-tile 0) and 8 + r (n-tile 1) against all 16 rows
+#if KVQ_CODEBOOK
+        const kvq_levels key_levels = tables[0];  // from shared memory per tile: no registers held across the loop
+#endif
         float s[2][4];
 #pragma unroll
         for (uint n = 0; n < 2; ++n) {
@@ -502,6 +556,17 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
                 uint biased = words[w] ^ KVQ_BYTE_FLIP;
                 kvq_mma(s[n], q_frag[w][0], q_frag[w][1], q_frag[w][2], q_frag[w][3],
                         kvq_prmt(biased, 0x64646464u, 0x5150), kvq_prmt(biased, 0x64646464u, 0x5352));
+            }
+#elif KVQ_CODEBOOK
+            uint4 codes = *(const uint4*)(tile + (8 * n + r) * KVQ_ROW_BYTES + 16 * c);
+            uint words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+            for (uint w = 0; w < 4; ++w) {
+                uint low[2], high[2];
+                kvq_lookup_levels(key_levels, words[w], low, high);
+                kvq_mma(s[n], q_frag[2 * w][0], q_frag[2 * w][1], q_frag[2 * w][2], q_frag[2 * w][3], low[0], high[0]);
+                kvq_mma(s[n], q_frag[2 * w + 1][0], q_frag[2 * w + 1][1], q_frag[2 * w + 1][2], q_frag[2 * w + 1][3],
+                        low[1], high[1]);
             }
 #else
             uint4 codes = *(const uint4*)(tile + (8 * n + r) * KVQ_ROW_BYTES + 16 * c);
@@ -585,6 +650,9 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
 #endif
 
         // P^T's B fragments per V group pair j: columns r: head r % 4 under group 2 (r / 4) + j
+#if KVQ_CODEBOOK
+        const kvq_levels value_levels = tables[1];
+#endif
         uint b[2][2];
         b[0][0] = kvq_half2(p[0] * v_scale[0].x, p[1] * v_scale[1].x);
         b[0][1] = kvq_half2(p[2] * v_scale[2].x, p[3] * v_scale[3].x);
@@ -600,6 +668,19 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
                 word[t] = *(const uint*)(tile + KVQ_V_AT + kvq_v_row(token) * KVQ_ROW_BYTES +
                                          kvq_v_chunk(token, chunk) * 16 + 4 * (r % 4));
             }
+#if KVQ_CODEBOOK
+            // byte k of the four tokens side by side (a 4 x 4 byte transpose), then their 8 codes' levels
+            uint pairs_front = kvq_prmt(word[0], word[1], 0x5140), pairs_back = kvq_prmt(word[0], word[1], 0x7362);
+            uint far_front = kvq_prmt(word[2], word[3], 0x5140), far_back = kvq_prmt(word[2], word[3], 0x7362);
+            uint bytes[4] = {kvq_prmt(pairs_front, far_front, 0x5410), kvq_prmt(pairs_front, far_front, 0x7632),
+                             kvq_prmt(pairs_back, far_back, 0x5410), kvq_prmt(pairs_back, far_back, 0x7632)};
+#pragma unroll
+            for (uint k = 0; k < 4; ++k) {
+                uint low[2], high[2];  // low[0], high[0]: tokens 0, 1 (near); low[1], high[1]: tokens 2, 3 (far)
+                kvq_lookup_levels(value_levels, bytes[k], low, high);
+                kvq_mma(acc[j][k], low[0], high[0], low[1], high[1], b[j][0], b[j][1]);
+            }
+#else
 #pragma unroll
             for (uint k = 0; k < 4; ++k) {
                 uint selector = k | (4 + k) << 8;  // byte k of both tokens into the two 16-bit lanes
@@ -607,6 +688,7 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
                 kvq_mma(acc[j][k], kvq_low_nibbles(near), kvq_high_nibbles(near), kvq_low_nibbles(far),
                         kvq_high_nibbles(far), b[j][0], b[j][1]);
             }
+#endif
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -720,6 +802,11 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
     uint n_packed = args.n_packed, n_window = args.n_window;
     __shared__ __align__(16) uchar stages[KVQ_WARPS * KVQ_STAGES * KVQ_STAGE_BYTES];
     __shared__ __align__(16) float mapped_rows[KVQ_HEADS * KVQ_D];
+#if KVQ_CODEBOOK
+    __shared__ __align__(16) kvq_levels tables[2];  // K's, then V's
+#else
+    const kvq_levels* tables = nullptr;
+#endif
     // Programmatic dependent launch: the next kernel may launch now. This one reads the query only after
     // kvq_await_previous_kernel, and writes nothing before it: the previous step's reduce reads the partials.
     kvq_launch_dependents();
@@ -731,7 +818,13 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
     uint bh = blockIdx.x, split = blockIdx.y;
     if (split < args.n_packed_splits) {
         uint start = split * args.tokens_per_split, end = min(start + args.tokens_per_split, n_packed);
-        kvq_packed_split(args, stages, mapped_rows, start, end, bh, split);
+#if KVQ_CODEBOOK  // constants, read before the previous kernel ends; kvq_packed_split syncs before their use
+        if (threadIdx.x < 16) {
+            tables[threadIdx.x / 8].word[threadIdx.x % 8] =
+                kvq_level_table_word(threadIdx.x < 8 ? args.key_levels : args.value_levels, threadIdx.x % 8);
+        }
+#endif
+        kvq_packed_split(args, stages, mapped_rows, tables, start, end, bh, split);
     } else {
         kvq_window_split(args, n_window, bh, split);
     }

@@ -58,9 +58,14 @@ __device__ __forceinline__ float kvq_half2_sum(uint pair) {
     return halves.x + halves.y;
 }
 
-// Scale groups 2 (r / 4) and 2 (r / 4) + 1 of a token's row of scales in a stage.
+// Scale groups 2 (r / 4) and 2 (r / 4) + 1 of a token's row of scales in a stage (with KVQ_TOKEN_SCALE, its one
+// scale for both).
 __device__ __forceinline__ float2 kvq_scale_pair(const uchar* row, uint r) {
-#if KVQ_SCALE_HALF
+#if KVQ_TOKEN_SCALE
+    float scale;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(scale) : "h"(*(const ushort*)row));
+    return make_float2(scale, scale);
+#elif KVQ_SCALE_HALF
     return kvq_half2_floats(*(const uint*)(row + 4 * (r / 4)));
 #else
     return *(const float2*)(row + 8 * (r / 4));
@@ -118,6 +123,50 @@ __device__ __forceinline__ uint kvq_high_nibbles(uint lanes) {
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(kvq_biased_high(lanes)), "r"(0x2C002C00u),
         "r"(KVQ_HIGH_UNBIAS));
     return out;
+}
+
+// A 16-level codebook as byte tables (kvq_level_tables): the low bytes of fp16 levels 0-3, 4-7, 8-11, 12-15 in
+// words 0-3, level 4w + i in byte i of word w, then their high bytes in words 4-7.
+struct kvq_levels {
+    uint word[8];
+};
+
+// Word `i` of the tables of the float32 `levels` (16 of them).
+__device__ __forceinline__ uint kvq_level_table_word(const float* levels, uint i) {
+    uint word = 0;
+#pragma unroll
+    for (uint k = 0; k < 4; ++k) {
+        ushort half;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(half) : "f"(__ldg(levels + 4 * (i % 4) + k)));
+        word |= ((i < 4 ? half : half >> 8) & 0xFFu) << (8 * k);
+    }
+    return word;
+}
+
+// The levels of one nibble of each of a word's 4 code bytes: `first` holds the codes' low 3 bits at each byte's
+// bits 0-2, `mask` their bit 3 at each byte's bit 7. Each code's low 3 bits pick its level's low and high byte from
+// levels 0-7 and from 8-15 (one selector of the four codes), its bit 3 picks between them (a byte mask from prmt's
+// sign replication), and two permutes interleave the bytes into fp16 pairs: bytes 0 and 1's levels in `even`, bytes
+// 2 and 3's in `odd`.
+__device__ __forceinline__ void kvq_lookup_nibbles(const kvq_levels& t, uint first, uint mask, uint& even,
+                                                   uint& odd) {
+    uint x = first & 0x07070707u;
+    uint selector = kvq_prmt(x | (x >> 4), 0, 0x4420);
+    uint pick_high = kvq_prmt(mask, 0, 0xBA98);
+    uint low = kvq_prmt(t.word[0], t.word[1], selector), low_high = kvq_prmt(t.word[2], t.word[3], selector);
+    uint high = kvq_prmt(t.word[4], t.word[5], selector), high_high = kvq_prmt(t.word[6], t.word[7], selector);
+    uint lows, highs;
+    asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(lows) : "r"(low), "r"(low_high), "r"(pick_high));
+    asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(highs) : "r"(high), "r"(high_high), "r"(pick_high));
+    even = kvq_prmt(lows, highs, 0x5140);
+    odd = kvq_prmt(lows, highs, 0x7362);
+}
+
+// 8 codes (the nibbles of a word's 4 bytes) as fp16 levels, placed as kvq_biased_low and kvq_biased_high place
+// them: the low nibbles of bytes 0, 1 in low[0], of bytes 2, 3 in low[1]; the high nibbles likewise in high[].
+__device__ __forceinline__ void kvq_lookup_levels(const kvq_levels& t, uint codes, uint (&low)[2], uint (&high)[2]) {
+    kvq_lookup_nibbles(t, codes, codes << 4, low[0], low[1]);
+    kvq_lookup_nibbles(t, codes >> 4, codes, high[0], high[1]);
 }
 
 // d = a b + d, m16n8k16, fp16 operands, fp32 accumulators.
