@@ -182,8 +182,10 @@ class StaticQuantizedLayer(StaticKVLayer):
             raise KvqError(f"layer {layer}: codes whose stats span {group} tokens (KIVI's keys) need a "
                            f"window of at least {group} tokens, got {window}")
         self.window = window
-        # whole token groups, and room for a write's last group to run past max_cache_len (_write_groups)
-        self.capacity = max_cache_len if group == 1 else -(-(max_cache_len + 2 * group) // group) * group
+        # whole token groups, and room for a write's last group to run past max_cache_len (_write_groups); else whole
+        # rows of 8 tokens, so that each head's rows of per-token stats start 16-byte aligned (the CUDA decode partial
+        # copies TurboQuant_mse's norms 8 tokens at a time)
+        self.capacity = -(-max_cache_len // 8) * 8 if group == 1 else -(-(max_cache_len + 2 * group) // group) * group
         self.packed: dict[str, ops.PackedKV] = {}
         self.ring: dict[str, torch.Tensor] = {}
 
