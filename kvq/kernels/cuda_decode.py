@@ -79,15 +79,16 @@ def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, 
         return False
     stats = GROUPS * (1 + (not values.symmetric))
     if keys.codebook is not None:
-        keys_fit = _codebook_fits(keys, values)
-        stats = values.scales.shape[-1]
+        codes_fit = _codebook_fits(keys, values)  # both roles' stats too
     elif keys.token_group > 1:
-        keys_fit = (keys.bits == 4 and keys.token_group % TILE == 0 and keys.scales.shape[-1] == 2 * HEAD_DIM
-                    and keys.scales.dtype == torch.float16 and not values.symmetric)
+        codes_fit = (keys.bits == 4 and keys.token_group % TILE == 0 and keys.scales.shape[-1] == 2 * HEAD_DIM
+                     and keys.scales.dtype == torch.float16 and not values.symmetric
+                     and values.scales.shape[-1] == stats)
     else:
-        keys_fit = keys.bits in KEY_BITS and keys.symmetric == values.symmetric and keys.scales.shape[-1] == stats
-    return (builds_on(query.device) and keys_fit and values.bits == 4 and keys.head_dim == HEAD_DIM
-            and values.token_group == 1 and values.scales.shape[-1] == stats
+        codes_fit = (keys.bits in KEY_BITS and keys.symmetric == values.symmetric
+                     and keys.scales.shape[-1] == values.scales.shape[-1] == stats)
+    return (builds_on(query.device) and codes_fit and values.bits == 4 and keys.head_dim == HEAD_DIM
+            and values.token_group == 1
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= MAX_GQA and query.dtype in DTYPE_DEFINES
             and window[0].dtype == window[1].dtype == query.dtype)
