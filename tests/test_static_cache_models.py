@@ -50,13 +50,24 @@ def step_log_probs(model, cache, tokens: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+def layout_bank(lm, layout: str) -> QuantizerBank:
+    spec, policy, _ = LAYOUTS[layout]
+    return QuantizerBank(spec, kv_geometry(lm.model.config), policy=parse_policy(policy))
+
+
+def reference_log_probs(lm, layout: str, tokens: torch.Tensor, bank: QuantizerBank | None = None) -> torch.Tensor:
+    """step_log_probs of the model where it is (device, dtype) through the reference protocol cache under `layout`
+    (with `bank`'s quantizers where given, else a new bank's)."""
+    protocol = Protocol(LAYOUTS[layout][2], exact_prefill=True)
+    with quantized_kv(lm.model, bank or layout_bank(lm, layout), "cache", protocol) as fresh:
+        return step_log_probs(lm.model, fresh()["past_key_values"], tokens)
+
+
 def log_probs_three_ways(lm, layout: str, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """step_log_probs of the model where it is (device, dtype) through the reference protocol cache under `layout`,
     through fp's cache, and through the static cache under `layout`."""
-    spec, policy, window = LAYOUTS[layout]
-    bank = QuantizerBank(spec, kv_geometry(lm.model.config), policy=parse_policy(policy))
-    with quantized_kv(lm.model, bank, "cache", Protocol(window, exact_prefill=True)) as fresh:
-        reference = step_log_probs(lm.model, fresh()["past_key_values"], tokens)
+    bank, window = layout_bank(lm, layout), LAYOUTS[layout][2]
+    reference = reference_log_probs(lm, layout, tokens, bank)
     with quantized_kv(lm.model, None, "cache") as fresh:
         fp = step_log_probs(lm.model, fresh()["past_key_values"], tokens)
     static = StaticQuantizedCache(bank, lm.model.config, PROMPT + STEPS, window)
