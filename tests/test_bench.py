@@ -223,3 +223,16 @@ def test_kernels_table_gives_each_quantize_row_and_its_torch_reference_their_x_f
     text = tables.kernels_tables({"peak_bandwidth_Bps": 4.8e12, "copy_bandwidth_Bps": 4.19e12, "quantize": [row],
                                   "attention": []})
     assert "| k | 10000 x 128 | 0.20 | 2095.0 | 50.0% | 1.0 | 2.00 | 0.10 | 50.0 | 100.0 | 100.0 |" in text
+
+
+def test_kernels_table_gives_each_attention_row_and_its_baselines_their_x_floor():
+    """At a 4.194304 TB/s copy rate, 1024 tokens of 8 KV heads at d 128 in fp16 (4.19 MB) have a 1 us floor, so SDPA
+    at 2 us runs at 2x it; the fused kernel read 1.05 MB of codes and scales (0.25 us) in 0.5 us, 2x its floor, and
+    dequantize-then-SDPA, reading the same codes, at 2.5 us runs at 10x that floor."""
+    row = {"context": 1024, "scales": "float16", "q_heads": 32, "kv_heads": 8, "d": 128, "fused_int4_us": 0.5,
+           "fused_eager_call_us": 90.0, "sdpa_fp16_us": 2.0, "dequantize_then_sdpa_us": 2.5,
+           "speedup_vs_sdpa_fp16": 4.0, "speedup_vs_dequantize_then_sdpa": 5.0, "fused_GBps": 2097.152}
+    text = tables.kernels_tables({"peak_bandwidth_Bps": 4.8e12, "copy_bandwidth_Bps": 4.194304e12, "quantize": [],
+                                  "attention": [row]})
+    assert ("| 1024 | float16 | 0.5 | 0.25 | 2.00 | 2.0 | 1.00 | 2.00 | 2.5 | 10.00 | 4.00x | 5.00x | 2097.2 | 90.0 |"
+            in text)

@@ -13,6 +13,23 @@ def quantize_floor_us(row: dict, copy_bandwidth: float) -> float:
     return row["bytes_moved"] / copy_bandwidth * 1e6
 
 
+def attention_floors_us(row: dict, copy_bandwidth: float) -> tuple[float, float]:
+    """An attention row's floors: the packed K/V it reads (the fused kernel's and dequantize-then-SDPA's) and the
+    fp16 K/V SDPA reads, each at the measured device copy rate."""
+    packed = row["fused_GBps"] * 1e9 * row["fused_int4_us"] / 1e6
+    fp16 = 2 * row["kv_heads"] * row["context"] * row["d"] * 2
+    return packed / copy_bandwidth * 1e6, fp16 / copy_bandwidth * 1e6
+
+
+def _attention_row(r: dict, copy: float) -> list[str]:
+    packed_floor, fp16_floor = attention_floors_us(r, copy)
+    return [str(r["context"]), r["scales"], _fmt(r["fused_int4_us"]), _fmt(packed_floor, 2),
+            _fmt(r["fused_int4_us"] / packed_floor, 2), _fmt(r["sdpa_fp16_us"]), _fmt(fp16_floor, 2),
+            _fmt(r["sdpa_fp16_us"] / fp16_floor, 2), _fmt(r["dequantize_then_sdpa_us"]),
+            _fmt(r["dequantize_then_sdpa_us"] / packed_floor, 2), _fmt(r["speedup_vs_sdpa_fp16"], 2) + "x",
+            _fmt(r["speedup_vs_dequantize_then_sdpa"], 2) + "x", _fmt(r["fused_GBps"]), _fmt(r["fused_eager_call_us"])]
+
+
 def kernels_tables(result: dict) -> str:
     peak, copy = result["peak_bandwidth_Bps"], result["copy_bandwidth_Bps"]
     quantize = markdown_table(
@@ -26,12 +43,10 @@ def kernels_tables(result: dict) -> str:
           _fmt(r["reference_call_us"] / quantize_floor_us(r, copy))]
          for r in result["quantize"]])
     attention = markdown_table(
-        ["context", "scales", "fused int4 us", "SDPA fp16 us", "dequant+SDPA us", "vs SDPA fp16", "vs dequant+SDPA",
+        ["context", "scales", "fused int4 us", "int4 floor us", "x floor", "SDPA fp16 us", "fp16 floor us",
+         "SDPA x floor", "dequant+SDPA us", "dequant+SDPA x int4 floor", "vs SDPA fp16", "vs dequant+SDPA",
          "fused GB/s", "fused eager call us"],
-        [[str(r["context"]), r["scales"], _fmt(r["fused_int4_us"]),
-          _fmt(r["sdpa_fp16_us"]), _fmt(r["dequantize_then_sdpa_us"]),
-          _fmt(r["speedup_vs_sdpa_fp16"], 2) + "x", _fmt(r["speedup_vs_dequantize_then_sdpa"], 2) + "x",
-          _fmt(r["fused_GBps"]), _fmt(r["fused_eager_call_us"])] for r in result["attention"]])
+        [_attention_row(r, copy) for r in result["attention"]])
     bandwidth = (f"Datasheet HBM bandwidth {_fmt(peak / 1e12 if peak else None, 2)} TB/s; a device-to-device copy "
                  f"measured {copy / 1e12:.2f} TB/s (read + write).")
     timing = ("Kernel columns are CUDA-graph replays (GPU time, no Python launch cost); an attention step is "
@@ -39,7 +54,8 @@ def kernels_tables(result: dict) -> str:
               "L2 cannot serve a cache from the previous call. 'eager call' columns time the Python call as a "
               "user makes it. A quantize row's floor is the bytes it moves (fp16 rows in, codes and stats out) at "
               "the measured copy rate; the torch reference is the quantizer's own encode, which kvq runs where no "
-              "kernel serves.")
+              "kernel serves. An attention row's floors are the K/V bytes it reads at that rate: the packed codes "
+              "and scales for the fused kernel and for dequantize-then-SDPA, fp16 K/V for SDPA.")
     return "\n\n".join([bandwidth, timing, "Fused quantize (fp16 input):", quantize,
                         "Decode attention, 32 query / 8 KV heads, d=128, int4 g32 (one step):", attention])
 
