@@ -299,32 +299,45 @@ KVQ_DEVICE_FN uint kvq_get_code(KVQ_THREAD const uint* words, uint i) {
 #if KVQ_CODEBOOK
 #define KVQ_LEVEL_COUNT (1 << KVQ_BITS)
 
+// The count of the ascending thresholds t (2^BITS - 1 of them) below x, by bisection: each comparison with the
+// middle threshold of the range left gives one bit of the count, from the top, and keeps the half of the range
+// on its side (selects over constant indices, so the range stays in registers).
+KVQ_DEVICE_FN uint kvq_count_below(float x, KVQ_THREAD const float* t) {
+    float range[KVQ_LEVEL_COUNT - 1];
+    KVQ_UNROLL for (uint k = 0; k + 1 < KVQ_LEVEL_COUNT; ++k) range[k] = t[k];
+    uint code = 0;
+    KVQ_UNROLL for (uint level = 0; level < KVQ_BITS; ++level) {
+        const uint middle = (KVQ_LEVEL_COUNT >> (level + 1)) - 1;
+        bool above = x > range[middle];
+        code = (code << 1) | (above ? 1u : 0u);
+        KVQ_UNROLL for (uint k = 0; k < middle; ++k) range[k] = above ? range[middle + 1 + k] : range[k];
+    }
+    return code;
+}
+
 // TurboQuant_mse's encode (Alg. 1) of a sign-flipped vector y, as kvq.quant.codebooks.encode_unit_vector: its
 // norm stored in fp16, then each coordinate of R (y / norm) coded as the count of the codebook's midpoints below
-// it (its nearest level, as nearest_level counts), packed little-end first (a code may span two words). The squares
-// are summed in another order than torch's, which the fp16 rounding of the norm hides but within an fp16 ulp of
-// a rounding boundary; the rotation's arithmetic differs from torch's by ~1e-7 of the norm, so a code can differ
-// from the reference's only for a coordinate that close to a midpoint (the tests count both).
+// it (its nearest level, as nearest_level counts), packed little-end first (a code may span two words). R y is
+// compared with the midpoints times norm / KVQ_ROTATION_NORM, which counts the same midpoints (the norm and the
+// rotation's scale are positive) with 2^BITS - 1 products per vector instead of a division per coordinate. The
+// squares are summed in another order than torch's, which the fp16 rounding of the norm hides but within an fp16
+// ulp of a rounding boundary; the rotation's arithmetic and the scaled comparison differ from torch's by ~1e-7 of
+// the norm, so a code can differ from the reference's only for a coordinate that close to a midpoint (the tests
+// count both).
 KVQ_DEVICE_FN void kvq_quantize_codebook(KVQ_THREAD float* y, KVQ_GMEM const float* midpoints,
                                          KVQ_GMEM uint* code_words, uint code_swizzle, KVQ_GMEM kvq_half* norms,
                                          uint vec) {
-    float held[KVQ_LEVEL_COUNT - 1];
-    KVQ_UNROLL for (uint k = 0; k + 1 < KVQ_LEVEL_COUNT; ++k) held[k] = midpoints[k];
     float squares = 0.0f;
     KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) squares = kvq_fma(y[i], y[i], squares);
     kvq_half stored = kvq_to_half(kvq_sqrt(squares));
     norms[vec] = stored;
-    float norm = kvq_max(kvq_from_half(stored), KVQ_NORM_FLOOR);
-    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) y[i] = y[i] / norm;
+    float to_rotated = kvq_max(kvq_from_half(stored), KVQ_NORM_FLOOR) / KVQ_ROTATION_NORM;
     kvq_rotate_forward(y);
+    float held[KVQ_LEVEL_COUNT - 1];
+    KVQ_UNROLL for (uint k = 0; k + 1 < KVQ_LEVEL_COUNT; ++k) held[k] = midpoints[k] * to_rotated;
     uint words[KVQ_CODE_WORDS];
     KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) words[w] = 0;
-    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) {
-        float unit = y[i] * KVQ_ROTATION_NORM;
-        uint code = 0;
-        KVQ_UNROLL for (uint k = 0; k < KVQ_LEVEL_COUNT - 1; ++k) code += unit > held[k] ? 1u : 0u;
-        kvq_put_code(words, i, code);
-    }
+    KVQ_UNROLL for (uint i = 0; i < KVQ_D; ++i) kvq_put_code(words, i, kvq_count_below(y[i], held));
     KVQ_UNROLL for (uint w = 0; w < KVQ_CODE_WORDS; ++w) code_words[w ^ code_swizzle] = words[w];
 }
 
