@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from kvq import ops
 from kvq.attention import SCORE_ATTENTION, WINDOW_ATTENTION, switch_attention, uses_score_path
-from kvq.center import MEAN_BITS, KeyCenter, check_center
+from kvq.center import MEAN_BITS, STORED_CENTERS, KeyCenter, check_center
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
 from kvq.projections import attention_modules, merge_heads, split_heads
@@ -79,6 +79,10 @@ class QuantizerBank:
         # layers whose key quantizer encodes keys before RoPE (in cache mode kvq.center undoes and redoes it)
         self.pre_rope_layers = frozenset(layer for layer in range(geometry.n_layers)
                                          if getattr(self.get(layer, "k"), "keys_before_rope", False))
+        for layer in self.pre_rope_layers:
+            if self.key_centers.get(layer) == "post_rope_mean":
+                raise KvqError(f"center: post_rope_mean is a mean after RoPE; {self.site_spec(layer, 'k').quantizer} "
+                               "encodes keys before RoPE, where center: mean centers them")
         self.bits_per_element(1)
 
     def site_spec(self, layer: int, role: str) -> QuantSpec | None:
@@ -115,7 +119,7 @@ class QuantizerBank:
         keys vs values)."""
         self.get(0, "k")
         sizes = [q.bits_per_element(self.geometry.head_dim, n_tokens)
-                 + (MEAN_BITS / n_tokens if role == "k" and self.key_centers.get(layer) == "mean" else 0)
+                 + (MEAN_BITS / n_tokens if role == "k" and self.key_centers.get(layer) in STORED_CENTERS else 0)
                  for (layer, role), q in self._built.items()]
         return sum(sizes) / len(sizes)
 

@@ -8,11 +8,16 @@ and added back after it decodes, so the codes spend none of their range on it. A
 - `mean`: each head channel's mean of the pre-RoPE keys over the calibration split (the corpus's held-out
   quarter, kvq.data), moved to each position the same way. The method stores it: 16 bits per head channel, once
   per layer.
+- `post_rope_mean`: each head channel's mean of the keys as the cache holds them (after RoPE) over the
+  calibration split: one constant offset per layer, not moved per position. Subtracting a constant from every key
+  moves each query's scores by one amount, which softmax ignores, so the static cache can store the keys less it
+  and attend over them as they are (kvq.static_cache). The method stores it: 16 bits per head channel, once per
+  layer. Cache mode only.
 - `none`: the keys as they come.
 
 In hook mode the keys are k_proj's output (pre-RoPE), so the offset is b or the mean itself; in cache mode they
-are post-RoPE and the offset is rotated. Keys scored from a sketch (QJL's score path) are never decoded, so they
-cannot be centered; neither can the static cache's packed keys (it refuses such a bank).
+are post-RoPE and the offset of `bias` and `mean` is rotated. Keys scored from a sketch (QJL's score path) are
+never decoded, so they cannot be centered; of the static cache's packed keys only `post_rope_mean`'s can be.
 """
 
 import sys
@@ -24,7 +29,8 @@ from transformers import DynamicCache
 from kvq.errors import KvqError
 from kvq.projections import attention_by_layer, split_heads
 
-CENTERS = ("none", "bias", "mean")
+CENTERS = ("none", "bias", "mean", "post_rope_mean")
+STORED_CENTERS = ("mean", "post_rope_mean")  # offsets the method stores, MEAN_BITS per head channel
 MEAN_BITS = 16  # a stored mean is fp16
 
 
@@ -32,6 +38,13 @@ def check_center(center: str) -> str:
     if center not in CENTERS:
         raise KvqError(f"center must be one of {', '.join(CENTERS)}, got {center!r}")
     return center
+
+
+def check_center_mode(centers, mode: str) -> None:
+    """post_rope_mean centers the keys the cache holds, which hook mode does not quantize."""
+    if mode == "hook" and "post_rope_mean" in centers:
+        raise KvqError("center: post_rope_mean centers the keys as the cache holds them (after RoPE); hook mode "
+                       "quantizes k_proj's output before RoPE, where center: mean is that mean")
 
 
 def bias_reason(attention: torch.nn.Module) -> str | None:
@@ -60,11 +73,12 @@ class KeyCenter:
     that layer moves the offset, and undoes and redoes RoPE, exactly as the model rotated its keys."""
 
     def __init__(self, model: torch.nn.Module, offsets: dict[int, torch.Tensor], stored_bits: int,
-                 pre_rope: frozenset[int] = frozenset()):
+                 pre_rope: frozenset[int] = frozenset(), fixed: frozenset[int] = frozenset()):
         attention = attention_by_layer(model)
         self.offsets = offsets
         self.stored_bits = stored_bits
         self.pre_rope = pre_rope
+        self.fixed = fixed  # layers whose offset is the same at every position (post_rope_mean)
         self._rope = {layer: _rope_of(attention[layer]) for layer in set(offsets) | pre_rope}
         self._positions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -74,7 +88,7 @@ class KeyCenter:
     def offset(self, layer: int, keys: torch.Tensor, rotated: bool) -> torch.Tensor:
         """The offset of `keys` (batch, heads, tokens, d), broadcastable to them, in float32."""
         base = self.offsets[layer].to(keys.device)[None, :, None, :]
-        if not rotated:
+        if not rotated or layer in self.fixed:
             return base
         cos, sin = self._cos_sin(layer)
         moved, _ = self._rope[layer](base, base, cos, sin)
@@ -141,24 +155,28 @@ def _accumulate(sums: dict, counts: dict, layer: int, keys: torch.Tensor) -> Non
     counts[layer] = counts.get(layer, 0) + keys.shape[0] * keys.shape[2]
 
 
-class _UnrotatedKeySums(DynamicCache):
-    """Sums each covered layer's keys, un-rotated to their pre-RoPE form, as they are written."""
+class _WrittenKeySums(DynamicCache):
+    """Sums each covered layer's keys as they are written: as they come (`after_rope`), or un-rotated to their
+    pre-RoPE form."""
 
-    def __init__(self, center: KeyCenter, sums: dict, counts: dict, config):
+    def __init__(self, center: KeyCenter, sums: dict, counts: dict, config, after_rope: bool):
         super().__init__(config=config)
-        self.center, self.sums, self.counts = center, sums, counts
+        self.center, self.sums, self.counts, self.after_rope = center, sums, counts, after_rope
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.center.covers(layer_idx):
-            _accumulate(self.sums, self.counts, layer_idx, self.center.unrotated(layer_idx, key_states))
+            keys = key_states.float() if self.after_rope else self.center.unrotated(layer_idx, key_states)
+            _accumulate(self.sums, self.counts, layer_idx, keys)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 @torch.no_grad()
 def mean_offsets(model: torch.nn.Module, layers: list[int], head_dim: int, windows: torch.Tensor, mode: str,
-                 batch_size: int) -> dict[int, torch.Tensor]:
+                 batch_size: int, after_rope: bool = False) -> dict[int, torch.Tensor]:
     """Each layer's per-head-channel mean of the keys before RoPE, as the quantizer sees them in `mode` (k_proj's
-    output in hook mode; the cached keys un-rotated in cache mode), over `windows` of the calibration split."""
+    output in hook mode; the cached keys un-rotated in cache mode), or with `after_rope` (cache mode) of the cached
+    keys as they are, over `windows` of the calibration split."""
+    check_center_mode(["post_rope_mean"] if after_rope else [], mode)
     sums: dict[int, torch.Tensor] = {}
     counts: dict[int, int] = {}
     device = next(model.parameters()).device
@@ -176,7 +194,8 @@ def mean_offsets(model: torch.nn.Module, layers: list[int], head_dim: int, windo
     try:
         for batch in windows.split(batch_size):
             kwargs = ({"use_cache": False} if mode == "hook" else
-                      {"use_cache": True, "past_key_values": _UnrotatedKeySums(probe, sums, counts, model.config)})
+                      {"use_cache": True, "past_key_values": _WrittenKeySums(probe, sums, counts, model.config,
+                                                                         after_rope)})
             model(input_ids=batch.to(device), **kwargs)
     finally:
         for handle in handles:

@@ -46,7 +46,8 @@ def ppl(
     seed: int = typer.Option(0),
     option: list[str] = typer.Option([], help="method-specific key=value, repeatable"),
     calibration: Path | None = typer.Option(None, help="artifact from `kvq calibrate`"),
-    center: str = typer.Option("none", help="keys less a known offset before encoding: none, bias or mean"),
+    center: str = typer.Option("none", help="keys less a known offset before encoding: none, bias, mean or "
+                                            "post_rope_mean"),
     policy: str = typer.Option("", help="per-site policy as YAML, e.g. '{k: {bits: 8}, layers: [{first: 2, "
                                         "use: fp}]}' (kvq.policy); the options above are its base"),
     kld: bool = typer.Option(False, help="also KL(fp || quantized) and top-1 agreement with fp"),
@@ -76,7 +77,7 @@ def ppl(
     site_policy = policy_from_yaml(policy)
     data = DataSpec(corpus, seq_len, n_windows, batch_size)
     protocol = check_protocol(check_mode(mode), Protocol(window, exact_prefill))
-    bank = make_bank(model, models.load_config(model), spec, site_policy)
+    bank = make_bank(model, models.load_config(model), spec, site_policy, mode)
     lm = models.load(model, device=device)
     windows = eval_windows(lm, data)
     reference = [] if kld else None

@@ -5,7 +5,7 @@ import torch
 from kvq import models
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.calibrate import load_learned
-from kvq.center import MEAN_BITS, KeyCenter, bias_offsets, bias_reason, mean_offsets
+from kvq.center import MEAN_BITS, KeyCenter, bias_offsets, bias_reason, check_center_mode, mean_offsets
 from kvq.data import DataSpec, token_windows
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
@@ -15,11 +15,15 @@ from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 
 
-def make_bank(model_name: str, config, spec: QuantSpec, policy: SitePolicy = SitePolicy()) -> QuantizerBank:
-    """Builds (and so validates) the quantizer settings and the site policy against the model's geometry."""
+def make_bank(model_name: str, config, spec: QuantSpec, policy: SitePolicy = SitePolicy(),
+              mode: str | None = None) -> QuantizerBank:
+    """Builds (and so validates) the quantizer settings and the site policy against the model's geometry (and the
+    keys' centering against the mode, where given)."""
     geometry = kv_geometry(config)
     learned = load_learned(spec.calibration, model_name, geometry, spec) if spec.calibration else None
     bank = QuantizerBank(spec, geometry, learned, policy)
+    if mode is not None:
+        check_center_mode(bank.key_centers.values(), mode)
     if "bias" in bank.key_centers.values():
         _check_biases(config, [layer for layer, center in bank.key_centers.items() if center == "bias"])
     return bank
@@ -45,16 +49,20 @@ def fit_center(bank: QuantizerBank, lm: models.LoadedModel, data: DataSpec, mode
     per bank."""
     if not bank.key_centers or bank.center is not None:
         return
+    check_center_mode(bank.key_centers.values(), mode)
     head_dim = bank.geometry.head_dim
     by_kind = {kind: [layer for layer, center in bank.key_centers.items() if center == kind]
-               for kind in ("bias", "mean")}
+               for kind in ("bias", "mean", "post_rope_mean")}
     offsets = bias_offsets(lm.model, by_kind["bias"], head_dim) if by_kind["bias"] else {}
     means = {}
-    if by_kind["mean"]:
+    if by_kind["mean"] or by_kind["post_rope_mean"]:
         windows = token_windows(lm.tokenizer, data.corpus, data.seq_len, data.n_windows, "calib", at_most=True)
-        means = mean_offsets(lm.model, by_kind["mean"], head_dim, windows, mode, data.batch_size)
+        for kind in ("mean", "post_rope_mean"):
+            if by_kind[kind]:
+                means.update(mean_offsets(lm.model, by_kind[kind], head_dim, windows, mode, data.batch_size,
+                                          after_rope=kind == "post_rope_mean"))
     bank.center = KeyCenter(lm.model, {**offsets, **means}, MEAN_BITS * sum(m.numel() for m in means.values()),
-                            bank.pre_rope_layers)
+                            bank.pre_rope_layers, frozenset(by_kind["post_rope_mean"]))
 
 
 def eval_windows(lm: models.LoadedModel, data: DataSpec):

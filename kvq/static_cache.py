@@ -175,6 +175,12 @@ class StaticQuantizedLayer(StaticKVLayer):
         if window < 1 or window > max_cache_len:
             raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
         self.quantizers = {role: bank.get(layer, role) for role in ROLES}
+        # post_rope_mean's constant: the keys are stored less it, which moves each query's scores by one amount
+        # that softmax ignores, so attention reads them as they are (kvq.center)
+        if layer in bank.key_centers and bank.center is None:
+            raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
+        self.head_offsets = bank.center.offsets[layer] if layer in bank.key_centers else None  # (heads, d)
+        self.key_offset = None  # the offsets on the device, broadcast over batch and tokens
         self.forms: dict[str, PackedForm] = {role: q.packed_form() for role, q in self.quantizers.items()}
         self.kv_heads = bank.geometry.n_kv_heads
         group = max(form.layout.token_group for form in self.forms.values())
@@ -193,6 +199,8 @@ class StaticQuantizedLayer(StaticKVLayer):
         self._start(key_states)
         lead = key_states.shape[:2]
         self.forms = {role: form.on(self.device) for role, form in self.forms.items()}
+        if self.head_offsets is not None:
+            self.key_offset = self.head_offsets.to(self.device, self.dtype)[None, :, None, :]
         for role, form in self.forms.items():
             layout = form.layout
             self.packed[role] = ops.PackedKV.holding(
@@ -217,10 +225,13 @@ class StaticQuantizedLayer(StaticKVLayer):
         constants = [t for form in self.forms.values()
                      for t in (form.signs, form.matrix, form.lam, form.codebook, form.block, form.layer_scale)
                      if t is not None]
-        return [*super()._tensors(), self.counts, self.maps.query, self.maps.output, *constants]
+        offset = [] if self.key_offset is None else [self.key_offset]
+        return [*super()._tensors(), self.counts, self.maps.query, self.maps.output, *constants, *offset]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         written = self._written(key_states, value_states)
+        if self.key_offset is not None:
+            key_states = key_states - self.key_offset
         new = key_states.shape[-2]
         recent = min(new, self.window)
         for role, states in zip(ROLES, (key_states, value_states), strict=True):
@@ -325,9 +336,10 @@ def _copy_rows(buffer: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
 def unheld_reason(bank: QuantizerBank, layer: int) -> str | None:
     """None where the static cache holds a full-attention layer's sites: exact (a policy's `use: fp` keeps a layer's
     K and V exact together), or packed layouts (K and V codes of a width each); else why it does not."""
-    if bank.key_centers.get(layer):
-        return (f"layer {layer} K: the static quantized cache stores keys as they come, not centered "
-                f"(center: {bank.key_centers[layer]})")
+    center = bank.key_centers.get(layer)
+    if center and center != "post_rope_mean":
+        return (f"layer {layer} K: the static quantized cache centers keys by one constant offset (center: "
+                f"post_rope_mean), not by center: {center}'s, which moves with each position")
     if isinstance(bank.get(layer, "k"), Exact):
         return None
     for role in ROLES:
@@ -352,6 +364,9 @@ class StaticQuantizedCache(StaticCache):
     """transformers' StaticCache with every full-attention layer a static kvq layer (`static_layer`)."""
 
     def __init__(self, bank: QuantizerBank, config, max_cache_len: int, window: int = 16):
+        if "post_rope_mean" in bank.key_centers.values() and getattr(config, "attn_logit_softcapping", None):
+            raise KvqError("center: the static cache stores keys less a constant, which moves every score of a "
+                           "query alike; the model's softcapped scores (attn_logit_softcapping) do not ignore that")
         super().__init__(config=config, max_cache_len=max_cache_len)
         self.layers = [layer if layer.is_sliding else static_layer(bank, index, max_cache_len, window)
                        for index, layer in enumerate(self.layers)]

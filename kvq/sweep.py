@@ -56,7 +56,7 @@ def validate_cells(cells: list[Cell]) -> None:
     for cell in cells:
         if cell.model not in configs:
             configs[cell.model] = models.load_config(cell.model)
-        make_bank(cell.model, configs[cell.model], cell.quant, cell.policy)
+        make_bank(cell.model, configs[cell.model], cell.quant, cell.policy, cell.mode)
 
 
 class CellRunner:

@@ -147,11 +147,60 @@ def test_fit_center_stores_the_means_it_fits_and_counts_them(monkeypatch):
     assert bank.center.stored_bits == MEAN_BITS * 2 * SMALL["num_key_value_heads"] * HEAD_DIM
 
 
+def test_a_post_rope_mean_is_the_mean_of_the_keys_as_cached_and_the_same_at_every_position():
+    """post_rope_mean's offsets are the cached (post-RoPE) keys' per-head-channel mean over the windows, not the
+    pre-RoPE mean; a KeyCenter holding them as fixed gives that one offset to every write, where a moved one
+    differs by position."""
+    model = tiny("qwen2")
+    windows = prompt(40, seed=2)
+    fitted = mean_offsets(model, [0, 1], HEAD_DIM, windows, "cache", batch_size=1, after_rope=True)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(windows, past_key_values=cache, use_cache=True)
+    for layer in (0, 1):
+        torch.testing.assert_close(fitted[layer], cache.layers[layer].keys.float().mean(dim=(0, 2)), atol=2e-5,
+                                   rtol=0)
+    pre_rope = mean_offsets(model, [1], HEAD_DIM, windows, "cache", batch_size=1)
+    assert not torch.allclose(fitted[1], pre_rope[1], atol=1e-3)
+    fixed = written_keys(model, KeyCenter(model, fitted, 0, fixed=frozenset([0, 1])))
+    moved = written_keys(model, KeyCenter(model, fitted, 0))
+    for offset in fixed.offsets:
+        assert torch.equal(offset, fitted[1][None, :, None, :])
+    assert not torch.allclose(moved.offsets[1], moved.offsets[2])
+
+
+def test_fit_center_fits_a_post_rope_mean_as_fixed_and_counts_it(monkeypatch):
+    model = tiny("qwen2")
+    windows = prompt(32, seed=3)
+    monkeypatch.setattr("kvq.experiment.token_windows", lambda *args, **kwargs: windows)
+    bank = QuantizerBank(QuantSpec("int", 4, center="post_rope_mean"), kv_geometry(model.config))
+    fit_center(bank, LoadedModel("tiny", model, None, ""), DataSpec(batch_size=2), "cache")
+    expected = mean_offsets(model, [0, 1], HEAD_DIM, windows, "cache", 2, after_rope=True)
+    for layer in (0, 1):
+        torch.testing.assert_close(bank.center.offsets[layer], expected[layer], atol=0, rtol=0)
+    assert bank.center.fixed == {0, 1}
+    assert bank.center.stored_bits == MEAN_BITS * 2 * SMALL["num_key_value_heads"] * HEAD_DIM
+    plain = QuantizerBank(QuantSpec("int", 4), kv_geometry(model.config))
+    for layer, role in [(layer, role) for layer in (0, 1) for role in ("k", "v")]:
+        bank.get(layer, role), plain.get(layer, role)
+    # stated for one call of n tokens: half the sites (the keys) add 16 bits per head channel over n tokens
+    assert bank.bits_per_element(64) == pytest.approx(plain.bits_per_element(64) + MEAN_BITS / 64 / 2)
+
+
+def test_a_post_rope_mean_is_refused_in_hook_mode_and_for_keys_encoded_before_rope():
+    with pytest.raises(KvqError, match="hook mode quantizes k_proj's output before RoPE"):
+        make_bank("tiny", Qwen2Config(**SMALL), QuantSpec("int", 4, center="post_rope_mean"), mode="hook")
+    make_bank("tiny", Qwen2Config(**SMALL), QuantSpec("int", 4, center="post_rope_mean"), mode="cache")
+    with pytest.raises(KvqError, match="kvquant encodes keys before RoPE"):
+        make_bank("tiny", Qwen2Config(**SMALL), QuantSpec("kvquant", 4, center="post_rope_mean"))
+
+
 @pytest.mark.parametrize("config, spec, policy, fragment", [
     (LlamaConfig(**SMALL), QuantSpec("int", 4, center="bias"), None, "center: bias: the model's k_proj has no bias"),
     (Gemma3TextConfig(**SMALL, attention_bias=True), QuantSpec("int", 4, center="bias"), None,
      "normalizes keys after k_proj (k_norm)"),
-    (Qwen2Config(**SMALL), QuantSpec("int", 4, center="median"), None, "center must be one of none, bias, mean"),
+    (Qwen2Config(**SMALL), QuantSpec("int", 4, center="median"), None,
+     "center must be one of none, bias, mean, post_rope_mean"),
     (Qwen2Config(**SMALL), QuantSpec("qjl", 4, center="bias"), None, "scored from their sketch"),
     (Qwen2Config(**SMALL), QuantSpec("int", 4), {"v": {"center": "mean"}}, "center applies to keys"),
 ])

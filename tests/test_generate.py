@@ -284,7 +284,7 @@ BAD_GENERATE_ARGUMENTS = [
      "codes whose stats span 32 tokens (KIVI's keys) need a window of at least 32 tokens, got 16"),
     (["--stop", "two words"], "a stop string must be one token"),
     (["--policy", "{k: {bits: 8}}"], "--policy sets sites of a --quant quantizer"),
-    (["--quant", "int:4", "--policy", "{layers: [{first: 1, k: {center: mean}}]}"], "not centered (center: mean)"),
+    (["--quant", "int:4", "--policy", "{layers: [{first: 1, k: {center: mean}}]}"], "not by center: mean's"),
 ]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import DEVICES, requires_cuda, requires_models
 from transformers import (
+    Gemma2Config,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -21,6 +22,7 @@ from transformers import (
 from kvq import models
 from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
 from kvq.cache import fused_decoding
+from kvq.center import KeyCenter
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy, parse_policy
 from kvq.protocol import Protocol
@@ -146,6 +148,45 @@ def test_frontier_layouts_in_the_static_cache_match_the_eager_protocol_cache(kin
     assert torch.equal(fused_tokens, expected_tokens)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", [QuantSpec("srft", 4, "per_group", 16), FRONTIER["turbo4"], FRONTIER["kivi4"]],
+                         ids=["srft4", "turbo4", "kivi4"])
+@pytest.mark.parametrize("kind", ["qwen2", "gemma3"])
+def test_keys_stored_less_a_constant_score_as_the_protocol_cache_which_adds_it_back(kind, spec, device):
+    """center: post_rope_mean. The static cache stores every key less one offset per layer (codes, window and
+    prompt alike) and attends over them as they are; the protocol cache adds the offset back after decoding. Each
+    query's scores move by q . offset alike, which softmax ignores, so the logits agree as the uncentered caches'
+    do. The offset here is large, so that the codes differ from the uncentered ones, but for KIVI's: its keys' zero
+    point per channel takes up any offset per channel."""
+    from dataclasses import replace
+
+    model = tiny(kind).to(device)
+    geometry = kv_geometry(model.config)
+    bank = QuantizerBank(replace(spec, center="post_rope_mean"), geometry)
+    generator = torch.Generator().manual_seed(2)
+    offsets = {layer: torch.randn(geometry.n_kv_heads, geometry.head_dim, generator=generator) * 2
+               for layer in bank.key_centers}
+    bank.center = KeyCenter(model, offsets, 0, fixed=frozenset(offsets))
+    prompt = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
+    with quantized_kv(model, bank, "cache", Protocol(16, exact_prefill=True)) as fresh:
+        expected_tokens, expected = greedy(model, fresh()["past_key_values"], prompt, 30)
+    with quantized_kv(model, QuantizerBank(spec, geometry), "cache", Protocol(16, exact_prefill=True)) as fresh:
+        uncentered = greedy(model, fresh()["past_key_values"], prompt, 30)[1]
+    moved = (uncentered - expected).abs().max()
+    assert moved < 2e-3 if spec.quantizer == "kivi" else moved > 20 * 2e-4
+    with fused_decoding(model, static := StaticQuantizedCache(bank, model.config, max_cache_len=72, window=16)):
+        fused_tokens, fused_logits = greedy(model, static, prompt, 30)
+    torch.testing.assert_close(fused_logits, expected, atol=2e-4 if device == "cpu" else 5e-3, rtol=0)
+    assert torch.equal(fused_tokens, expected_tokens)
+
+
+def test_keys_stored_less_a_constant_are_refused_where_scores_are_softcapped():
+    config = Gemma2Config(**SMALL, attn_logit_softcapping=50.0)
+    bank = QuantizerBank(QuantSpec("srft", 4, "per_group", 16, center="post_rope_mean"), kv_geometry(config))
+    with pytest.raises(KvqError, match="softcapped scores"):
+        StaticQuantizedCache(bank, config, max_cache_len=16, window=4)
+
+
 def test_kivi_needs_a_window_as_long_as_its_token_group():
     model = tiny("llama")
     bank = QuantizerBank(QuantSpec("kivi", 4, group_size=16), kv_geometry(model.config))
@@ -212,10 +253,10 @@ def test_a_step_that_attends_from_the_codes_returns_its_own_rows_and_one_through
         assert layer.update(step, step)[0].shape[-2] == 48
 
 
-def test_a_layer_whose_keys_are_centered_is_refused_naming_it():
+def test_a_layer_whose_keys_are_centered_by_an_offset_moving_with_position_is_refused_naming_it():
     model = tiny("qwen2")
     centered = bank_for(model, policy=parse_policy({"layers": [{"layers": [1], "k": {"center": "bias"}}]}))
-    with pytest.raises(KvqError, match=r"layer 1 K: .* not centered \(center: bias\)"):
+    with pytest.raises(KvqError, match=r"layer 1 K: .* not by center: bias's, which moves with each position"):
         StaticQuantizedCache(centered, model.config, max_cache_len=16, window=4)
 
 

@@ -24,7 +24,7 @@ class QuantSpec:
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     calibration: str | None = None  # path of a `kvq calibrate` artifact
-    center: str = "none"  # key pre-conditioning (kvq.center): none, bias or mean
+    center: str = "none"  # key pre-conditioning (kvq.center): none, bias, mean or post_rope_mean
 
     def label(self) -> str:
         from kvq.quant import used_fields  # the registry imports this module
