@@ -389,6 +389,8 @@ def generate(
     stop: list[str] = typer.Option([], help="repeatable: one-token stop strings (default: end of sequence)"),
     window: int = typer.Option(16, min=1, help="quantized cache: the newest tokens kept exact"),
     policy: str = typer.Option("", help="per-site policy as YAML over --quant (kvq.policy), e.g. '{k: {bits: 8}}'"),
+    center_corpus: str = typer.Option("shakespeare", help="text whose calibration split gives keys centered by "
+                                                          "their mean (center=post_rope_mean) that mean"),
     device: str = device_option(),
 ):
     """Continue prompts through a static cache (fp16, or a quantizer's packed layout), compiled on CUDA."""
@@ -403,7 +405,8 @@ def generate(
     lm = models.load(model, device, torch.float16 if device.startswith("cuda") else torch.float32)
     stream = (lambda text: typer.echo(text, nl=False)) if len(prompt) == 1 else None
     texts = complete(lm, prompt, spec, max_new_tokens, sampling=sampling, stop=stop or None, window=window,
-                     on_text=stream, policy=policy_from_yaml(policy, quantized=spec is not None))
+                     on_text=stream, policy=policy_from_yaml(policy, quantized=spec is not None),
+                     center_corpus=center_corpus)
     if stream is not None:
         typer.echo()
         return

@@ -197,11 +197,13 @@ def _through_stop(tokens: torch.Tensor, stops: torch.Tensor) -> list[torch.Tenso
     return rows
 
 
-def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, policy=None):
+def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, policy=None,
+                 fit_center: Callable | None = None):
     """A static cache for `batch` rows of `max_cache_len` tokens: transformers' StaticCache for fp (spec None), else
     kvq's StaticQuantizedCache, the newest `window` tokens exact (all of them in a shorter cache; packed layouts
     only), its layers following `policy` (a kvq.policy.SitePolicy: per-layer and per-role settings, exact layers).
-    On CUDA every quantized layer's layouts must have a fused decode kernel (KvqError otherwise)."""
+    A bank that centers keys is given its offsets by `fit_center(bank)` first. On CUDA every quantized layer's
+    layouts must have a fused decode kernel (KvqError otherwise)."""
     from transformers import StaticCache
 
     from kvq.apply import QuantizerBank, kv_geometry
@@ -210,6 +212,8 @@ def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, 
     if spec is None:
         return StaticCache(config=model.config, max_cache_len=max_cache_len)
     bank = QuantizerBank(spec, kv_geometry(model.config), policy=policy or SitePolicy())
+    if bank.key_centers and fit_center is not None:
+        fit_center(bank)
     cache = StaticQuantizedCache(bank, model.config, max_cache_len, min(window, max_cache_len))
     if model.device.type == "cuda":  # a CPU runs the reference throughout; a GPU without a kernel would crawl
         reason = cache.decode_kernel_reason(model.config.get_text_config(decoder=True).num_attention_heads)
@@ -221,11 +225,16 @@ def static_cache(model, spec, batch: int, max_cache_len: int, window: int = 16, 
 
 def complete(lm, prompts: Sequence[str], spec, max_new_tokens: int, *, sampling: Sampling = Sampling(),
              stop: Sequence[str] | None = None, window: int = 16, prefill_chunk: int | None = None,
-             on_text: Callable[[str], None] | None = None, policy=None) -> list[str]:
+             on_text: Callable[[str], None] | None = None, policy=None,
+             center_corpus: str = "shakespeare") -> list[str]:
     """Each prompt's continuation (text) from a kvq.models.LoadedModel through a static cache (`static_cache`, its
     layers following `policy`); fp decodes under kvq.gqa_attention's SDPA, which reads each K/V head once. `stop`:
     strings of one token each (None: the tokenizer's end-of-sequence token). `on_text` streams a single prompt's
-    text as it is decoded."""
+    text as it is decoded. Keys centered by their mean (center: post_rope_mean) take it from `center_corpus`'s
+    calibration split (kvq.data)."""
+    from kvq.data import DataSpec
+    from kvq.experiment import fit_center
+
     tokenizer = lm.tokenizer
     ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
     stop_ids = [tokenizer.eos_token_id] if stop is None and tokenizer.eos_token_id is not None else []
@@ -236,7 +245,8 @@ def complete(lm, prompts: Sequence[str], spec, max_new_tokens: int, *, sampling:
         stop_ids += encoded
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     longest = max((len(row) for row in ids), default=0)
-    cache = static_cache(lm.model, spec, len(ids), longest + max_new_tokens, window, policy)
+    cache = static_cache(lm.model, spec, len(ids), longest + max_new_tokens, window, policy,
+                         lambda bank: fit_center(bank, lm, DataSpec(corpus=center_corpus), "cache"))
     shown: list[int] = []
     text = ""
 

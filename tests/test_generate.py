@@ -276,6 +276,25 @@ def test_on_a_gpu_a_layout_without_a_fused_decode_kernel_is_refused():
         assert generate.static_cache(model, spec, 1, 64, window=16).decode_kernel_reason(4) is None
 
 
+def test_a_static_cache_centering_its_keys_is_fitted_before_it_is_built():
+    """center: post_rope_mean: static_cache hands the bank to `fit_center` before building the cache, whose layers
+    then store the keys less the offsets it fitted; without one the cache refuses the bank."""
+    model, _ = _wide_model("cpu")
+    spec = QuantSpec("srft", 4, "per_group", 16, center="post_rope_mean")
+    offsets = {layer: torch.full((2, 32), float(layer + 1)) for layer in range(2)}
+
+    def fit(bank):
+        from kvq.center import KeyCenter
+
+        bank.center = KeyCenter(model, offsets, 0, fixed=frozenset(offsets))
+
+    cache = generate.static_cache(model, spec, 1, 32, window=8, fit_center=fit)
+    for index, layer in enumerate(cache.layers):
+        assert torch.equal(layer.head_offsets, offsets[index])
+    with pytest.raises(KvqError, match="not fitted"):
+        generate.static_cache(model, spec, 1, 32, window=8)
+
+
 BAD_GENERATE_ARGUMENTS = [
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", ""], "--prompt 2 is empty"),
@@ -285,6 +304,7 @@ BAD_GENERATE_ARGUMENTS = [
     (["--stop", "two words"], "a stop string must be one token"),
     (["--policy", "{k: {bits: 8}}"], "--policy sets sites of a --quant quantizer"),
     (["--quant", "int:4", "--policy", "{layers: [{first: 1, k: {center: mean}}]}"], "not by center: mean's"),
+    (["--quant", "int:4,center=post_rope_mean", "--center-corpus", "/no/such/text"], "unknown corpus '/no/such/text'"),
 ]
 
 
