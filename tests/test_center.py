@@ -135,18 +135,6 @@ def test_a_stored_mean_is_counted_once_per_layer_and_stated_per_call():
     assert bank.bits_per_element(64) == pytest.approx(plain.bits_per_element(64) + MEAN_BITS / 64 / 2)
 
 
-def test_fit_center_stores_the_means_it_fits_and_counts_them(monkeypatch):
-    model = tiny("qwen2")
-    windows = prompt(32, seed=3)
-    monkeypatch.setattr("kvq.experiment.token_windows", lambda *args, **kwargs: windows)
-    bank = QuantizerBank(QuantSpec("int", 4, center="mean"), kv_geometry(model.config))
-    fit_center(bank, LoadedModel("tiny", model, None, ""), DataSpec(batch_size=2), "cache")
-    expected = mean_offsets(model, [0, 1], HEAD_DIM, windows, "cache", 2)
-    for layer in (0, 1):
-        torch.testing.assert_close(bank.center.offsets[layer], expected[layer], atol=0, rtol=0)
-    assert bank.center.stored_bits == MEAN_BITS * 2 * SMALL["num_key_value_heads"] * HEAD_DIM
-
-
 def test_a_post_rope_mean_is_the_mean_of_the_keys_as_cached_and_the_same_at_every_position():
     """post_rope_mean's offsets are the cached (post-RoPE) keys' per-head-channel mean over the windows, not the
     pre-RoPE mean; a KeyCenter holding them as fixed gives that one offset to every write, where a moved one
@@ -169,16 +157,19 @@ def test_a_post_rope_mean_is_the_mean_of_the_keys_as_cached_and_the_same_at_ever
     assert not torch.allclose(moved.offsets[1], moved.offsets[2])
 
 
-def test_fit_center_fits_a_post_rope_mean_as_fixed_and_counts_it(monkeypatch):
+@pytest.mark.parametrize("center", ["mean", "post_rope_mean"])
+def test_fit_center_stores_the_means_it_fits_and_counts_them(monkeypatch, center):
+    """mean: the pre-RoPE keys' mean, moved with position; post_rope_mean: the cached keys' mean, held fixed."""
     model = tiny("qwen2")
     windows = prompt(32, seed=3)
     monkeypatch.setattr("kvq.experiment.token_windows", lambda *args, **kwargs: windows)
-    bank = QuantizerBank(QuantSpec("int", 4, center="post_rope_mean"), kv_geometry(model.config))
+    bank = QuantizerBank(QuantSpec("int", 4, center=center), kv_geometry(model.config))
     fit_center(bank, LoadedModel("tiny", model, None, ""), DataSpec(batch_size=2), "cache")
-    expected = mean_offsets(model, [0, 1], HEAD_DIM, windows, "cache", 2, after_rope=True)
+    after_rope = center == "post_rope_mean"
+    expected = mean_offsets(model, [0, 1], HEAD_DIM, windows, "cache", 2, after_rope=after_rope)
     for layer in (0, 1):
         torch.testing.assert_close(bank.center.offsets[layer], expected[layer], atol=0, rtol=0)
-    assert bank.center.fixed == {0, 1}
+    assert bank.center.fixed == ({0, 1} if after_rope else set())
     assert bank.center.stored_bits == MEAN_BITS * 2 * SMALL["num_key_value_heads"] * HEAD_DIM
     plain = QuantizerBank(QuantSpec("int", 4), kv_geometry(model.config))
     for layer, role in [(layer, role) for layer in (0, 1) for role in ("k", "v")]:
