@@ -31,6 +31,7 @@ INPUTS = {
     "policy-field.yaml": SPEC + "policy: {v: {bitz: 4}}\n",
     "center.yaml": SPEC + "  center: [none, median]\n",
     "center-bias.yaml": SPEC + "  center: [bias]\n",
+    "center-hook.yaml": SPEC + "  center: [post_rope_mean]\n",
 }
 NO_MODEL = [
     (["sweep"], "Missing argument 'config'"),
@@ -88,6 +89,8 @@ WITH_MODEL = [
     (["ppl", "--policy", "{v: {bits: 9}}"], "policy: the V quantizer of layer 0"),
     (["ppl", "--center", "bias"], "center: bias: the model's k_proj has no bias (layer 0)"),
     (["sweep", "center-bias.yaml"], "center: bias: the model's k_proj has no bias (layer 0)"),
+    (["ppl", "--center", "post_rope_mean"], "hook mode quantizes k_proj's output before RoPE"),
+    (["sweep", "center-hook.yaml"], "hook mode quantizes k_proj's output before RoPE"),
     (["ppl", "--quant", "mlx", "--bits", "4", "--group-size", "48"],
      "mlx affine stores blocks of 48 coordinates; head_dim 64 is not a multiple of 48"),
     (["ppl", "--quant", "ggml", "--option", "type=q3_k"], "ggml option 'type' must be one of q4_0"),
