@@ -255,7 +255,7 @@ def lmeval(
 
     from kvq import models
     from kvq.apply import check_mode, check_protocol
-    from kvq.experiment import make_bank
+    from kvq.experiment import make_bank, refuse_centers
     from kvq.protocol import Protocol
     from kvq.provenance import provenance
     from kvq.quant.spec import parse_spec
@@ -295,6 +295,7 @@ def lmeval(
     else:
         task_list = (tasks or "kvq_passkey").split(",")
     bank = make_bank(model, models.load_config(model), spec, site_policy) if spec else None
+    refuse_centers(bank, "kvq lmeval")
     lm = models.load(model, device=device, dtype=getattr(torch, dtype))
     from kvq.lmeval import stored_bits  # lm-eval's import is slow: after every argument check
 

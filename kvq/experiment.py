@@ -29,6 +29,12 @@ def make_bank(model_name: str, config, spec: QuantSpec, policy: SitePolicy = Sit
     return bank
 
 
+def refuse_centers(bank: QuantizerBank | None, command: str) -> None:
+    """For commands that do not fit key offsets (lm-eval's): one line before any model loads."""
+    if bank is not None and bank.key_centers:
+        raise KvqError(f"center: {command} does not fit key offsets (kvq ppl, kvq sweep and kvq generate do)")
+
+
 def _check_biases(config, layers: list[int]) -> None:
     """`center: bias` needs k_proj biases that offset the keys: read from the model's modules built on the meta
     device (no weights), so a bad cell fails before any loads."""

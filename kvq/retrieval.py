@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from kvq import models
-from kvq.experiment import make_bank
+from kvq.experiment import make_bank, refuse_centers
 from kvq.ledger import markdown_table
 from kvq.lmeval import run_task, stored_bits, stored_bits_by_length
 from kvq.longctx import RetrievalSpec, write_tasks
@@ -39,6 +39,8 @@ def run_retrieval(model_name: str, specs: list[QuantSpec | None], retrieval: Ret
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks are local files
     config = models.load_config(model_name)
     banks = {label(s, policy): (s, make_bank(model_name, config, s, policy) if s else None) for s in specs}
+    for _, bank in banks.values():
+        refuse_centers(bank, "kvq retrieval")
     lm = models.load(model_name, device=device, dtype=getattr(torch, dtype))
     folder = write_tasks(lm.tokenizer, retrieval, cache_dir() / "tasks", only=[task])
     records = []

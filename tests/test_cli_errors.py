@@ -91,6 +91,8 @@ WITH_MODEL = [
     (["sweep", "center-bias.yaml"], "center: bias: the model's k_proj has no bias (layer 0)"),
     (["ppl", "--center", "post_rope_mean"], "hook mode quantizes k_proj's output before RoPE"),
     (["sweep", "center-hook.yaml"], "hook mode quantizes k_proj's output before RoPE"),
+    (["lmeval", "--quant", "int:4,center=post_rope_mean", "--limit", "1"], "kvq lmeval does not fit key offsets"),
+    (["retrieval", "--quant", "int:4,center=post_rope_mean"], "kvq retrieval does not fit key offsets"),
     (["ppl", "--quant", "mlx", "--bits", "4", "--group-size", "48"],
      "mlx affine stores blocks of 48 coordinates; head_dim 64 is not a multiple of 48"),
     (["ppl", "--quant", "ggml", "--option", "type=q3_k"], "ggml option 'type' must be one of q4_0"),
