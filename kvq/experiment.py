@@ -55,7 +55,6 @@ def fit_center(bank: QuantizerBank, lm: models.LoadedModel, data: DataSpec, mode
     per bank."""
     if not bank.key_centers or bank.center is not None:
         return
-    check_center_mode(bank.key_centers.values(), mode)
     head_dim = bank.geometry.head_dim
     by_kind = {kind: [layer for layer, center in bank.key_centers.items() if center == kind]
                for kind in ("bias", "mean", "post_rope_mean")}

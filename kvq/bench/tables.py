@@ -21,6 +21,15 @@ def attention_floors_us(row: dict, copy_bandwidth: float) -> tuple[float, float]
     return packed / copy_bandwidth * 1e6, fp16 / copy_bandwidth * 1e6
 
 
+def _quantize_row(r: dict, copy: float) -> list[str]:
+    floor = quantize_floor_us(r, copy)
+    return [r["kernel"], f"{r['vectors']} x {r['d']}", _fmt(r["fused_ns_per_vector"], 2), _fmt(r["fused_GBps"]),
+            _fmt(100 * r["fraction_of_peak_bandwidth"] if r["fraction_of_peak_bandwidth"] else None) + "%",
+            _fmt(floor), _fmt(r["fused_ns_per_vector"] * r["vectors"] / 1e3 / floor, 2),
+            _fmt(r["inverse_ns_per_vector"], 2), _fmt(r["eager_call_us"]), _fmt(r["reference_call_us"]),
+            _fmt(r["reference_call_us"] / floor)]
+
+
 def _attention_row(r: dict, copy: float) -> list[str]:
     packed_floor, fp16_floor = attention_floors_us(r, copy)
     return [str(r["context"]), r["scales"], _fmt(r["fused_int4_us"]), _fmt(packed_floor, 2),
@@ -35,13 +44,7 @@ def kernels_tables(result: dict) -> str:
     quantize = markdown_table(
         ["kernel", "vectors x d", "ns/vec", "GB/s", "of peak BW", "floor us", "x floor", "inverse ns/vec",
          "eager call us", "torch reference us", "reference x floor"],
-        [[r["kernel"], f"{r['vectors']} x {r['d']}", _fmt(r["fused_ns_per_vector"], 2), _fmt(r["fused_GBps"]),
-          _fmt(100 * r["fraction_of_peak_bandwidth"] if r["fraction_of_peak_bandwidth"] else None) + "%",
-          _fmt(quantize_floor_us(r, copy)),
-          _fmt(r["fused_ns_per_vector"] * r["vectors"] / 1e3 / quantize_floor_us(r, copy), 2),
-          _fmt(r["inverse_ns_per_vector"], 2), _fmt(r["eager_call_us"]), _fmt(r["reference_call_us"]),
-          _fmt(r["reference_call_us"] / quantize_floor_us(r, copy))]
-         for r in result["quantize"]])
+        [_quantize_row(r, copy) for r in result["quantize"]])
     attention = markdown_table(
         ["context", "scales", "fused int4 us", "int4 floor us", "x floor", "SDPA fp16 us", "fp16 floor us",
          "SDPA x floor", "dequant+SDPA us", "dequant+SDPA x int4 floor", "vs SDPA fp16", "vs dequant+SDPA",
