@@ -85,11 +85,6 @@ class QuantizerBank:
                                "encodes keys before RoPE, where center: mean centers them")
         self.bits_per_element(1)
 
-    def check_center_fitted(self) -> None:
-        """Centered keys need their offsets fitted to the model first (kvq.experiment.fit_center)."""
-        if self.key_centers and self.center is None:
-            raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
-
     def site_spec(self, layer: int, role: str) -> QuantSpec | None:
         return self.spec if self._site_specs is None else self._site_specs[(layer, role)]
 
@@ -239,8 +234,8 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str,
     With bank None the model runs unquantized (the fp baseline), on the same code path.
     """
     check_protocol(check_mode(mode), protocol)
-    if bank is not None:
-        bank.check_center_fitted()
+    if bank is not None and bank.key_centers and bank.center is None:
+        raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
     if bank is not None and bank.pre_rope_layers and bank.center is None:
         bank.center = KeyCenter(model, {}, 0, bank.pre_rope_layers)
     handles = []

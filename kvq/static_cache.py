@@ -175,10 +175,10 @@ class StaticQuantizedLayer(StaticKVLayer):
         if window < 1 or window > max_cache_len:
             raise KvqError(f"window must hold 1..max_cache_len ({max_cache_len}) tokens, got {window}")
         self.quantizers = {role: bank.get(layer, role) for role in ROLES}
-        if layer in bank.key_centers:
-            bank.check_center_fitted()
         # post_rope_mean's constant: the keys are stored less it, which moves each query's scores by one amount
         # that softmax ignores, so attention reads them as they are (kvq.center)
+        if layer in bank.key_centers and bank.center is None:
+            raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
         self.head_offsets = bank.center.offsets[layer] if layer in bank.key_centers else None  # (heads, d)
         self.key_offset = None  # the offsets on the device, broadcast over batch and tokens
         self.forms: dict[str, PackedForm] = {role: q.packed_form() for role, q in self.quantizers.items()}
