@@ -143,30 +143,33 @@ __device__ __forceinline__ uint kvq_level_table_word(const float* levels, uint i
     return word;
 }
 
-// The levels of one nibble of each of a word's 4 code bytes: `first` holds the codes' low 3 bits at each byte's
-// bits 0-2, `mask` their bit 3 at each byte's bit 7. Each code's low 3 bits pick its level's low and high byte from
-// levels 0-7 and from 8-15 (one selector of the four codes), its bit 3 picks between them (a byte mask from prmt's
-// sign replication), and two permutes interleave the bytes into fp16 pairs: bytes 0 and 1's levels in `even`, bytes
-// 2 and 3's in `odd`.
-__device__ __forceinline__ void kvq_lookup_nibbles(const kvq_levels& t, uint first, uint mask, uint& even,
-                                                   uint& odd) {
-    uint x = first & 0x07070707u;
-    uint selector = kvq_prmt(x | (x >> 4), 0, 0x4420);
-    uint pick_high = kvq_prmt(mask, 0, 0xBA98);
-    uint low = kvq_prmt(t.word[0], t.word[1], selector), low_high = kvq_prmt(t.word[2], t.word[3], selector);
-    uint high = kvq_prmt(t.word[4], t.word[5], selector), high_high = kvq_prmt(t.word[6], t.word[7], selector);
-    uint lows, highs;
-    asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(lows) : "r"(low), "r"(low_high), "r"(pick_high));
-    asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(highs) : "r"(high), "r"(high_high), "r"(pick_high));
-    even = kvq_prmt(lows, highs, 0x5140);
-    odd = kvq_prmt(lows, highs, 0x7362);
+// Bytewise c ? b : a, c's bytes 0x00 or 0xFF.
+__device__ __forceinline__ uint kvq_select_bytes(uint a, uint b, uint c) {
+    uint out;
+    asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(out) : "r"(a), "r"(b), "r"(c));
+    return out;
 }
 
 // 8 codes (the nibbles of a word's 4 bytes) as fp16 levels, placed as kvq_biased_low and kvq_biased_high place
 // them: the low nibbles of bytes 0, 1 in low[0], of bytes 2, 3 in low[1]; the high nibbles likewise in high[].
+// The word's nibbles with bit 3 cleared are the selectors themselves: its low half picks the low and high bytes of
+// the levels of bytes 0 and 1's four codes (low nibble, high nibble, low, high), from levels 0-7 and from 8-15, and
+// its high half those of bytes 2 and 3's. Each code's bit 3 picks between the two (a byte mask from prmt's sign
+// replication of the word and of the word shifted by a nibble), and two permutes interleave the bytes into fp16
+// pairs, low nibbles' apart from high nibbles'.
 __device__ __forceinline__ void kvq_lookup_levels(const kvq_levels& t, uint codes, uint (&low)[2], uint (&high)[2]) {
-    kvq_lookup_nibbles(t, codes, codes << 4, low[0], low[1]);
-    kvq_lookup_nibbles(t, codes >> 4, codes, high[0], high[1]);
+    uint fields = codes & 0x77777777u, shifted = codes << 4;  // shifted: a low nibble's bit 3 at its byte's bit 7
+#pragma unroll
+    for (uint half = 0; half < 2; ++half) {
+        uint selector = half ? fields >> 16 : fields;
+        uint upper = kvq_prmt(shifted, codes, half ? 0xFBEA : 0xD9C8);  // 0xFF where the code's bit 3 is set
+        uint lows = kvq_select_bytes(kvq_prmt(t.word[0], t.word[1], selector),
+                                     kvq_prmt(t.word[2], t.word[3], selector), upper);
+        uint highs = kvq_select_bytes(kvq_prmt(t.word[4], t.word[5], selector),
+                                      kvq_prmt(t.word[6], t.word[7], selector), upper);
+        low[half] = kvq_prmt(lows, highs, 0x6240);
+        high[half] = kvq_prmt(lows, highs, 0x7351);
+    }
 }
 
 // d = a b + d, m16n8k16, fp16 operands, fp32 accumulators.
