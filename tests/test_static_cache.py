@@ -61,14 +61,15 @@ def bank_for(model, bits: int = 4, policy: SitePolicy = SitePolicy()) -> Quantiz
     return QuantizerBank(QuantSpec("srft", bits, "per_group", 16), kv_geometry(model.config), policy=policy)
 
 
-def greedy(model, cache, prompt, steps: int, mask=None):
-    """Greedy tokens and the logits of every step, one forward per step as generate runs them."""
+def greedy(model, cache, prompt, steps: int, mask=None, follow: torch.Tensor | None = None):
+    """Greedy tokens and the logits of every step, one forward per step as generate runs them; with `follow`
+    (batch, steps), those tokens are fed instead of each step's argmax, so that two caches see the same inputs."""
     tokens, logits = [], []
     with torch.no_grad():
         out = model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
-        for _ in range(steps):
+        for step in range(steps):
             logits.append(out.logits[:, -1].float())
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True) if follow is None else follow[:, step:step + 1]
             tokens.append(token)
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
@@ -157,7 +158,9 @@ def test_keys_stored_less_a_constant_score_as_the_protocol_cache_which_adds_it_b
     prompt alike) and attends over them as they are; the protocol cache adds the offset back after decoding. Each
     query's scores move by q . offset alike, which softmax ignores, so the logits agree as the uncentered caches'
     do. The offset here is large, so that the codes differ from the uncentered ones, but for KIVI's: its keys' zero
-    point per channel takes up any offset per channel."""
+    point per channel takes up any offset per channel. The static cache follows the protocol cache's greedy tokens:
+    some steps' top two logits lie closer than the fused kernels' fp16 query moves them on CUDA, so each cache's own
+    greedy tokens can part without any score being wrong."""
     from dataclasses import replace
 
     model = tiny(kind).to(device)
@@ -175,9 +178,8 @@ def test_keys_stored_less_a_constant_score_as_the_protocol_cache_which_adds_it_b
     moved = (uncentered - expected).abs().max()
     assert moved < 2e-3 if spec.quantizer == "kivi" else moved > 20 * 2e-4
     with fused_decoding(model, static := StaticQuantizedCache(bank, model.config, max_cache_len=72, window=16)):
-        fused_tokens, fused_logits = greedy(model, static, prompt, 30)
+        fused_logits = greedy(model, static, prompt, 30, follow=expected_tokens)[1]
     torch.testing.assert_close(fused_logits, expected, atol=2e-4 if device == "cpu" else 5e-3, rtol=0)
-    assert torch.equal(fused_tokens, expected_tokens)
 
 
 def test_keys_stored_less_a_constant_are_refused_where_scores_are_softcapped():
