@@ -44,10 +44,17 @@ def compile_log(source: str, arch: str) -> tuple[int, str]:
     return status, log.value.decode(errors="replace")
 
 
-# (query dtype, scale dtype, key bits, offsets, key channels, codebook, one scale per token): each kind of build
-# partial_fits admits
+# (query dtype, scale dtype, key bits, offsets, key channels, codebook, one scale per token, value bits): each kind
+# of build partial_fits admits; codes below 4 bits with offsets or as codebook indices only
 BUILDS = [(torch.float16, scales, bits, offsets, 0, False, False) for scales in (torch.float32, torch.float16)
-          for bits in cuda_decode.KEY_BITS for offsets in (False, True)] + [
+          for bits in cuda_decode.KEY_BITS for offsets in (False, True) if offsets or bits >= cuda_decode.NIBBLE] + [
+    (torch.float16, torch.float16, 3, True, 0, False, False, 3),
+    (torch.bfloat16, torch.float32, 8, True, 0, False, False, 2),
+    (torch.float16, torch.float16, 2, True, 32, False, False, 2),  # KIVI-2
+    (torch.float32, torch.float16, 3, True, 16, False, False, 4),
+    (torch.float16, torch.float16, 3, False, 0, True, True, 3),  # TurboQuant_mse-3
+    (torch.bfloat16, torch.float16, 2, False, 0, True, False, 2),
+    (torch.float16, torch.float16, 4, False, 0, True, True, 3),
     (torch.bfloat16, torch.float32, 4, False, 0, False, False),
     (torch.float32, torch.float16, 8, True, 0, False, False),
     (torch.float16, torch.float16, 4, True, 32, False, False),
@@ -62,6 +69,14 @@ BUILDS = [(torch.float16, scales, bits, offsets, 0, False, False) for scales in 
 def test_every_decode_attention_build_compiles(build, arch):
     status, log = compile_log(cuda_decode.source(*build), arch)
     assert status == 0, log
+
+
+@requires_nvrtc
+def test_codes_below_4_bits_refuse_to_build_as_twos_complement():
+    """They are widened into nibbles as unsigned codes: a symmetric build stops at its #error rather than misread
+    their signs."""
+    status, log = compile_log(cuda_decode.source(torch.float16, torch.float32, 4, False, value_bits=3), "sm_90")
+    assert status != 0 and "narrower than 4 bits are read unsigned" in log
 
 
 @requires_nvrtc

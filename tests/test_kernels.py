@@ -105,7 +105,11 @@ def test_cuda_partial_kernel_takes_the_shapes_it_is_written_for(d, group, q_head
     ((4, False, 32), (4, False, 1), True),  # KIVI-4: keys per channel over 32-token groups
     ((4, False, 16), (4, False, 1), True),
     ((4, False, 128), (4, False, 1), True),
-    ((2, False, 32), (2, False, 1), False),  # KIVI-2
+    ((2, False, 32), (2, False, 1), True),  # KIVI-2: 2-bit codes widened as they are read
+    ((3, False, 1), (3, False, 1), True),
+    ((2, False, 1), (4, False, 1), True),
+    ((2, True, 1), (2, True, 1), False),  # narrow two's complement codes: the Triton partial
+    ((4, True, 1), (3, True, 1), False),
     ((8, False, 32), (4, False, 1), False),  # int8 keys per channel
     ((4, False, 32), (4, True, 1), False),  # symmetric values behind KIVI's keys
 ])
@@ -128,11 +132,12 @@ def test_cuda_partial_kernel_takes_offsets_on_both_sides_or_on_neither(key_form,
     (4, 4, 32, 60, 32, torch.float16, True),  # a scale per 32 coordinates (iq4_nl's blocks): rows of 8 bytes
     (4, 4, 128, 64, 40, torch.float16, False),  # 5 query heads per KV head
     (4, 4, 128, 64, 32, torch.float32, False),  # codebook scales are fp16
-    (3, 3, 128, 64, 32, torch.float16, False),  # 3-bit codes: the Triton partial
-    (4, 3, 128, 64, 32, torch.float16, False),
+    (3, 3, 128, 64, 32, torch.float16, True),  # 3-bit codes (TurboQuant_mse-3), widened as they are read
+    (4, 3, 128, 64, 32, torch.float16, True),
+    (2, 2, 128, 64, 32, torch.float16, True),
     (4, None, 128, 64, 32, torch.float16, False),  # codebook keys beside int4 values
 ])
-def test_cuda_partial_kernel_takes_4_bit_codebook_codes(key_bits, value_bits, group, tokens, q_heads, scales, fits,
+def test_cuda_partial_kernel_takes_2_to_4_bit_codebook_codes(key_bits, value_bits, group, tokens, q_heads, scales, fits,
                                                        monkeypatch):
     monkeypatch.setattr(cuda_decode, "properties", lambda device: SimpleNamespace(major=9))
     keys, values = (random_packed(1, 8, tokens, 128, bits or 4, group if bits else 32, "cpu", scale_dtype=scales,
@@ -643,6 +648,11 @@ def test_decode_attention_equals_dequantize_then_sdpa(partial, batch, q_heads, k
     (1, 14, 2, 64, 1, 1, (4, False), (4, True), 32, torch.float32, torch.float32),
     (1, 32, 8, 128, 8192, 8, (2, False), (2, False), 32, torch.float16, torch.float16),
     (3, 9, 3, 64, 517, 16, (3, False), (3, False), 16, torch.float32, torch.float32),
+    # codes below 4 bits with offsets, widened in csrc/decode_attention.cu: ragged tiles, an empty window, one token
+    (2, 16, 4, 128, 3001, 16, (3, False), (3, False), 32, torch.float16, torch.float32),
+    (1, 12, 4, 128, 777, 0, (2, False), (3, False), 32, torch.bfloat16, torch.float16),
+    (1, 8, 8, 128, 70, 3, (8, False), (2, False), 32, torch.float32, torch.float32),
+    (1, 4, 2, 128, 1, 16, (3, False), (2, False), 32, torch.float16, torch.float16),
 ])
 def test_decode_attention_with_offsets_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens, window, keys,
                                                                    values, group, dtype, scales):
@@ -803,13 +813,18 @@ def test_decode_attention_over_float_format_codes_equals_sdpa_over_their_decode(
     (2, 8, 8, 64, 100, 5, 8, 8, 32, 64, torch.float16),
     (1, 32, 8, 128, 32768, 16, 2, 2, 32, 32, torch.float16),  # KIVI-2 at Llama-3-8B's shapes
     (3, 9, 3, 64, 517, 0, 3, 3, 16, 16, torch.float32),
+    # KIVI-2 and -3 in csrc/decode_attention.cu: a last group not whole, an empty window, one query head per KV head
+    (2, 16, 4, 128, 3001, 16, 2, 2, 128, 32, torch.bfloat16),
+    (1, 12, 4, 128, 777, 0, 3, 3, 16, 32, torch.float32),
+    (1, 8, 8, 128, 70, 3, 2, 4, 32, 32, torch.float16),
 ])
 def test_decode_attention_with_per_channel_keys_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens,
                                                                             window, key_bits, value_bits,
                                                                             token_group, group, dtype):
     """KIVI's layouts: keys with a scale and an offset per channel over `token_group` tokens, values with offsets
     per token group of channels, fp16 stats. csrc/decode_attention.cu reads int4 keys at its shapes, each tile's
-    group's scales folded into the query; the Triton partial decodes the others in registers."""
+    group's scales folded into the query, 2- and 3-bit ones widened into int4's nibbles as they are read; the Triton
+    partial decodes the others in registers."""
     _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, (key_bits, False),
                             (value_bits, False), group, dtype, torch.float16, token_group)
 
@@ -828,14 +843,20 @@ def test_decode_attention_with_per_channel_keys_equals_dequantize_then_sdpa(batc
     (3, 9, 3, 64, 517, 0, 2, 4, 64, torch.float32),
     (1, 4, 1, 256, 1000, 15, 4, 3, 256, torch.float32),
     (1, 14, 2, 64, 1, 1, 3, 3, 64, torch.bfloat16),
+    # 2- and 3-bit codes in csrc/decode_attention.cu (TurboQuant_mse-3 at Llama-3-8B's shapes): widened as read
+    (1, 32, 8, 128, 32768, 16, 3, 3, 128, torch.float16),
+    (1, 12, 4, 128, 3000, 0, 2, 2, 128, torch.bfloat16),
+    (1, 8, 8, 128, 72, 3, 3, 4, 128, torch.float32),
+    (1, 4, 2, 128, 1, 16, 2, 3, 32, torch.float16),
     (1, 8, 2, 128, 777, 5, 5, 8, 128, torch.float16),  # wider codes: their levels gathered, not looked up in registers
 ])
 def test_decode_attention_over_codebook_codes_equals_dequantize_then_sdpa(batch, q_heads, kv_heads, d, tokens,
                                                                           window, key_bits, value_bits, group, dtype):
     """TurboQuant_mse's layout: indices into its Lloyd-Max levels (of a unit vector's coordinates) and an fp16 norm
-    per token (or, iq4_nl's, an fp16 scale per group of 32). 4-bit codes at head_dim 128 with at most 4 query heads per
-    KV head go through the CUDA partial, which looks their levels up by byte permutes, where each head's rows of
-    per-token norms start 16-byte aligned; the rest through the Triton partial."""
+    per token (or, iq4_nl's, an fp16 scale per group of 32). 2-4-bit codes at head_dim 128 with at most 4 query heads
+    per KV head go through the CUDA partial, which widens 2- and 3-bit codes into nibbles and looks their levels up by
+    byte permutes, where each head's rows of per-token norms start 16-byte aligned; the rest through the Triton
+    partial."""
     _check_decode_attention("cuda", batch, q_heads, kv_heads, d, tokens, window, (key_bits, True), (value_bits, True),
                             group, dtype, torch.float16, codebooks=True)
 
@@ -856,16 +877,19 @@ def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window
     rotation, lam = SRFT(d, tokens).matrix(), torch.rand(d, generator=generator) + 0.5
     step = DecodeStep(keys, values, window, (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda())
     launch = LaunchConfig(partial=partial)
-    if partial == "cuda" and d == 128 and key_bits in (4, 8) and value_bits == 4 and group == 32 and \
-            q_heads // kv_heads <= 4 and not codebooks:
-        # int4 and int8 keys alike, symmetric or with offsets on both sides; KIVI's int4 keys in groups of tiles
-        kivi_keys = (token_group % cuda_decode.TILE == 0 and key_bits == 4 and not value_symmetric
+    narrow_signed = min(key_bits, value_bits) < cuda_decode.NIBBLE and key_symmetric
+    if partial == "cuda" and d == 128 and key_bits in cuda_decode.KEY_BITS and value_bits in cuda_decode.VALUE_BITS \
+            and group == 32 and q_heads // kv_heads <= 4 and not codebooks:
+        # 2-8-bit keys alike, symmetric or with offsets on both sides (codes below 4 bits with offsets only); KIVI's
+        # 2-4-bit keys in groups of tiles
+        kivi_keys = (token_group % cuda_decode.TILE == 0 and key_bits <= 4 and not value_symmetric
                      and scales == torch.float16)
         assert cuda_decode.partial_fits(query, keys, values, window) == (
-            kivi_keys if token_group > 1 else key_symmetric == value_symmetric)
+            kivi_keys if token_group > 1 else key_symmetric == value_symmetric and not narrow_signed)
     if partial == "cuda" and codebooks:
         assert cuda_decode.partial_fits(query, keys, values, window) == (
-            d == 128 and key_bits == value_bits == 4 and q_heads // kv_heads <= 4 and (group == 32 or tokens % 8 == 0))
+            d == 128 and key_bits in cuda_decode.VALUE_BITS and value_bits in cuda_decode.VALUE_BITS
+            and q_heads // kv_heads <= 4 and (group == 32 or tokens % 8 == 0))
     got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
                                                                                                       d ** -0.5)
     # the second call goes through the compiled kernels' own launchers

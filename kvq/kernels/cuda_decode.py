@@ -22,7 +22,9 @@ HEAD_DIM = 128  # csrc/decode_attention.cu's KVQ_D
 GROUPS = 4  # its scale groups per row (32 coordinates each)
 MAX_GQA = 4  # its query heads per KV head
 MMA_TILE = 16  # rows and columns of an m16n8k16 A fragment
-KEY_BITS = (4, 8)  # its KVQ_KEY_BITS builds; values are int4
+KEY_BITS = (2, 3, 4, 8)  # its KVQ_KEY_BITS builds
+VALUE_BITS = (2, 3, 4)  # its KVQ_VALUE_BITS builds
+NIBBLE = 4  # codes narrower than this are widened into nibbles as the kernel reads them, and must be unsigned
 TILE = 16  # tokens per warp step: per-channel key groups are whole tiles, and splits start on one
 
 
@@ -53,14 +55,14 @@ def reduce_fits(query: torch.Tensor) -> bool:
 
 
 def _codebook_fits(keys, values) -> bool:
-    """4-bit codebook codes for both roles (TurboQuant_mse-4's, iq4_nl's) with fp16 scales: one per token (a norm, in
-    rows whose stats a tile copies 8 tokens at a time, so each head's rows start 16-byte aligned) or one per group of
-    32 coordinates."""
+    """2-4-bit codebook codes for both roles (TurboQuant_mse's, iq4_nl's), each role's table all its codes' levels,
+    with fp16 scales: one per token (a norm, in rows whose stats a tile copies 8 tokens at a time, so each head's rows
+    start 16-byte aligned) or one per group of 32 coordinates."""
     per_token = keys.scales.shape[-1] == values.scales.shape[-1] == 1
     aligned = all(p.scales.data_ptr() % 16 == 0 and p.scales.stride(1) % 8 == 0 for p in (keys, values))
-    return (keys.bits == values.bits == 4 and keys.symmetric and values.symmetric
+    return (keys.bits in VALUE_BITS and values.bits in VALUE_BITS and keys.symmetric and values.symmetric
             and keys.float_mantissa is None and values.float_mantissa is None
-            and keys.codebook.numel() == values.codebook.numel() == 16 and keys.token_group == 1
+            and all(p.codebook.numel() == 1 << p.bits for p in (keys, values)) and keys.token_group == 1
             and keys.scales.dtype == torch.float16
             and (keys.scales.shape[-1] == values.scales.shape[-1] == GROUPS or (per_token and aligned)))
 
@@ -72,22 +74,23 @@ def token_scales(keys) -> bool:
 
 def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """The shapes csrc/decode_attention.cu is written for (its header): V in scale groups of 32 per token; K alike, or
-    KIVI's int4 keys (fp16 stats per channel over token groups that are whole tiles); K and V both symmetric or both
-    with offsets; or both 4-bit codebook codes (_codebook_fits); the window in the query's dtype. keys, values:
-    PackedKV."""
+    KIVI's 2-4-bit keys (fp16 stats per channel over token groups that are whole tiles); K and V both symmetric or
+    both with offsets, codes narrower than 4 bits with offsets only; or both 2-4-bit codebook codes
+    (_codebook_fits); the window in the query's dtype. keys, values: PackedKV."""
     if (keys.codebook is None) != (values.codebook is None):
         return False
     stats = GROUPS * (1 + (not values.symmetric))
     if keys.codebook is not None:
         codes_fit = _codebook_fits(keys, values)  # both roles' stats too
     elif keys.token_group > 1:
-        codes_fit = (keys.bits == 4 and keys.token_group % TILE == 0 and keys.scales.shape[-1] == 2 * HEAD_DIM
+        codes_fit = (keys.bits in VALUE_BITS and keys.token_group % TILE == 0 and keys.scales.shape[-1] == 2 * HEAD_DIM
                      and keys.scales.dtype == torch.float16 and not values.symmetric
                      and values.scales.shape[-1] == stats)
     else:
         codes_fit = (keys.bits in KEY_BITS and keys.symmetric == values.symmetric
-                     and keys.scales.shape[-1] == values.scales.shape[-1] == stats)
-    return (builds_on(query.device) and codes_fit and values.bits == 4 and keys.head_dim == HEAD_DIM
+                     and keys.scales.shape[-1] == values.scales.shape[-1] == stats
+                     and (min(keys.bits, values.bits) >= NIBBLE or not keys.symmetric))
+    return (builds_on(query.device) and codes_fit and values.bits in VALUE_BITS and keys.head_dim == HEAD_DIM
             and values.token_group == 1
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= MAX_GQA and query.dtype in DTYPE_DEFINES
@@ -95,32 +98,34 @@ def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, 
 
 
 def source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32, key_bits: int = 4,
-           offsets: bool = False, key_channels: int = 0, codebook: bool = False, token_scale: bool = False) -> str:
+           offsets: bool = False, key_channels: int = 0, codebook: bool = False, token_scale: bool = False,
+           value_bits: int = 4) -> str:
     """The translation unit of the partial and reduce kernels for query, window and output elements of
-    `dtype`, scales of `scale_dtype`, keys of `key_bits`, unsigned codes with offsets where `offsets`, keys with
-    stats per channel over groups of `key_channels` tokens where it is set, 4-bit codebook codes where `codebook`,
-    and one scale per token where `token_scale`."""
+    `dtype`, scales of `scale_dtype`, keys of `key_bits` and values of `value_bits`, unsigned codes with offsets
+    where `offsets`, keys with stats per channel over groups of `key_channels` tokens where it is set, codebook codes
+    where `codebook`, and one scale per token where `token_scale`."""
     defines = (f"#define KVQ_ELEM_{DTYPE_DEFINES[dtype]}\n#define KVQ_SCALE_HALF {int(scale_dtype == torch.float16)}\n"
-               f"#define KVQ_KEY_BITS {key_bits}\n#define KVQ_OFFSETS {int(offsets)}\n"
+               f"#define KVQ_KEY_BITS {key_bits}\n#define KVQ_VALUE_BITS {value_bits}\n"
+               f"#define KVQ_OFFSETS {int(offsets)}\n"
                f"#define KVQ_KEY_CHANNELS {key_channels}\n#define KVQ_CODEBOOK {int(codebook)}\n"
                f"#define KVQ_TOKEN_SCALE {int(token_scale)}\n")
     return defines + kernel_text("decode_primitives.cuh") + kernel_text("decode_attention.cu")
 
 
-def partial_kernel_for(query: torch.Tensor, keys) -> CudaLaunch:
-    """The partial kernel's build for this query and K (PackedKV; V matches it where partial_fits)."""
+def partial_kernel_for(query: torch.Tensor, keys, values) -> CudaLaunch:
+    """The partial kernel's build for this query, K and V (PackedKV, where partial_fits)."""
     key_channels = keys.token_group if keys.token_group > 1 else 0
     codebook = keys.codebook is not None
     offsets = not keys.symmetric and not codebook
     return partial_kernel(query.dtype, keys.scales.dtype, keys.bits, offsets, key_channels, codebook,
-                          token_scales(keys), query.device)
+                          token_scales(keys), values.bits, query.device)
 
 
 @lru_cache(maxsize=16)
 def partial_kernel(dtype: torch.dtype, scale_dtype: torch.dtype, key_bits: int, offsets: bool, key_channels: int,
-                   codebook: bool, token_scale: bool, device: torch.device) -> CudaLaunch:
-    return CudaLaunch.compile(source(dtype, scale_dtype, key_bits, offsets, key_channels, codebook, token_scale),
-                              "kvq_decode_partial", device)
+                   codebook: bool, token_scale: bool, value_bits: int, device: torch.device) -> CudaLaunch:
+    return CudaLaunch.compile(source(dtype, scale_dtype, key_bits, offsets, key_channels, codebook, token_scale,
+                                     value_bits), "kvq_decode_partial", device)
 
 
 @lru_cache(maxsize=8)

@@ -28,9 +28,10 @@ residual-window split (exact tokens) in the model's, and the reduce pass maps th
 adding the window's, so the window needs no per-step rotation.
 
 The partials come from csrc/decode_attention.cu (kvq.kernels.cuda_decode) where the shape fits it (head_dim
-128, int4 V in scale groups of 32, int4 or int8 K alike or KIVI's int4 keys with fp16 stats, K and V both
-symmetric or both with offsets, or 4-bit codebook codes on both sides with fp16 scales, TurboQuant_mse-4's norm per
-token or iq4_nl's scale per 32 coordinates; at most 4 query heads per KV head), at every sequence length; from
+128, int4 V in scale groups of 32, int4 or int8 K alike or KIVI's 2-4-bit keys with fp16 stats, K and V both
+symmetric or both with offsets, 2- and 3-bit codes with offsets, or 2-4-bit codebook codes on both sides with fp16
+scales, TurboQuant_mse's norm per token or iq4_nl's scale per 32 coordinates; at most 4 query heads per KV head), at
+every sequence length; from
 the Triton partial kernel (kvq.kernels.triton_decode) otherwise, after a kernel that maps the query. The
 reduce is the CUDA one at head_dim 128, else Triton's. On compute capability 9.0 the step's kernels are
 launched programmatically dependent, so each one's launch overlaps the kernel before it.
@@ -203,7 +204,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
     lengths_pointer = query if lengths is None else lengths  # unread without lengths
     cuda_partial = launch.partial == "cuda" and cuda_decode.partial_fits(query, keys, values, step.window)
     if cuda_partial:
-        resident = cuda_decode.partial_kernel_for(query, keys).resident_blocks
+        resident = cuda_decode.partial_kernel_for(query, keys, values).resident_blocks
         # splits start on a tile, so that every tile lies in one key group, or its scales rows are 16-byte aligned
         if keys.token_group > 1 or cuda_decode.token_scales(keys):
             launch = dataclasses.replace(launch, block=math.lcm(launch.block, cuda_decode.TILE))
@@ -228,7 +229,7 @@ def decode_attention_gpu(query: torch.Tensor, step: DecodeStep, scale: float, la
              *(_packed_args(p)[2] for p in (keys, values)), *step.window, partial, maxima, sums, lengths_pointer],
             [n_packed, n_window, per_split, packed_splits, gqa, capacity, window_capacity], float(scale),
             lengths is not None)
-        cuda_decode.partial_kernel_for(query, keys)((batch * kv_heads, n_splits), [arguments], programmatic=pdl)
+        cuda_decode.partial_kernel_for(query, keys, values)((batch * kv_heads, n_splits), [arguments], programmatic=pdl)
     else:
         columns = min(d, MAP_COLUMNS)
         triton_launch.launch(triton_decode.map_query_kernel, (batch * q_heads, d // columns),

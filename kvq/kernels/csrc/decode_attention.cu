@@ -1,6 +1,6 @@
-// Split-K partials of fused decode attention (kvq.kernels.decode_attention) for head_dim 128, int4 or int8 K
-// (KVQ_KEY_BITS) and int4 V with scale groups of 32 (or 4-bit codebook codes, KVQ_CODEBOOK, below), and up to 4 query
-// heads per KV head: Open-TQ-Metal Alg. 1 with
+// Split-K partials of fused decode attention (kvq.kernels.decode_attention) for head_dim 128, 2-, 3-, 4- or 8-bit K
+// (KVQ_KEY_BITS) and 2-4-bit V (KVQ_VALUE_BITS) with scale groups of 32 (or codebook codes, KVQ_CODEBOOK, below), and
+// up to 4 query heads per KV head: Open-TQ-Metal Alg. 1 with
 // FlashDecoding's split-K, in tensor-core fragments chosen so that packed codes become mma operands in
 // registers, with no layout change through shared memory (Triton's layouts rebuild V's and the query's
 // operands through shared memory and register moves on every tile).
@@ -45,7 +45,13 @@
 // fragments and its offsets into the rows' starting scores; a token's share of the score then meets no scale of its
 // own.
 //
-// With KVQ_CODEBOOK 1 (TurboQuant_mse-4's codes, llama.cpp's iq4_nl), K's and V's 4-bit codes index a 16-level table
+// Codes narrower than 4 bits (KVQ_KEY_BITS, KVQ_VALUE_BITS 2 or 3: KIVI-2's, TurboQuant_mse-3's) are unsigned, with
+// offsets or as codebook indices. A stage holds a tile's rows as they are packed (each run of 32 coordinates BITS
+// whole words, code j at bits BITS j of them, as kvq.quant.packing.pack writes them), copied 16 bytes a lane in order;
+// a lane widens the codes it reads into words of nibbles, as int4 rows hold them (kvq_widen2, kvq_widen3), and they
+// go on as int4 codes do: fewer bytes from memory, the same fragments.
+//
+// With KVQ_CODEBOOK 1 (TurboQuant_mse's codes, llama.cpp's iq4_nl), K's and V's 2-4-bit codes index a 16-level table
 // each (the roles' float32 levels, made fp16 byte tables once per program in shared memory, key_levels and
 // value_levels): byte permutes look up 8 codes' levels at a time in registers (kvq_lookup_levels), the low nibbles'
 // and the high nibbles' as the int4 conversion places them, exact, so no bias and no division of the query. With
@@ -53,11 +59,14 @@
 // tile's 16 stats per role, copied 8 at a time.
 
 #define KVQ_D 128
-#define KVQ_ROW_BYTES 64                  // int4 codes of one token
 #ifndef KVQ_KEY_BITS
 #define KVQ_KEY_BITS 4
 #endif
+#ifndef KVQ_VALUE_BITS
+#define KVQ_VALUE_BITS 4
+#endif
 #define KVQ_KEY_ROW_BYTES (KVQ_D * KVQ_KEY_BITS / 8)
+#define KVQ_VALUE_ROW_BYTES (KVQ_D * KVQ_VALUE_BITS / 8)
 #define KVQ_GROUPS 4                      // scale groups of 32 coordinates
 #ifndef KVQ_CODEBOOK
 #define KVQ_CODEBOOK 0
@@ -73,20 +82,26 @@
 #ifndef KVQ_KEY_CHANNELS
 #define KVQ_KEY_CHANNELS 0
 #endif
-#if KVQ_CODEBOOK && (KVQ_KEY_BITS != 4 || KVQ_OFFSETS || KVQ_KEY_CHANNELS)
-#error "codebook codes are 4-bit indices with scales and no offsets"
+#if KVQ_CODEBOOK && (KVQ_KEY_BITS > 4 || KVQ_OFFSETS || KVQ_KEY_CHANNELS)
+#error "codebook codes are 2-4-bit indices with scales and no offsets"
+#endif
+#if (KVQ_KEY_BITS < 4 || KVQ_VALUE_BITS < 4) && !(KVQ_OFFSETS || KVQ_CODEBOOK)
+#error "codes narrower than 4 bits are read unsigned: with offsets, or as codebook indices"
+#endif
+#if KVQ_VALUE_BITS > 4 || KVQ_VALUE_BITS < 2 || KVQ_KEY_BITS < 2
+#error "values are 2-4-bit codes, keys 2-4 or 8"
 #endif
 #if KVQ_TOKEN_SCALE && !(KVQ_CODEBOOK && KVQ_SCALE_HALF)
 #error "one scale per token is TurboQuant_mse's fp16 norm"
 #endif
-#if KVQ_KEY_CHANNELS && !(KVQ_SCALE_HALF && KVQ_OFFSETS && KVQ_KEY_BITS == 4)
-#error "per-channel keys are KIVI's: int4 codes with fp16 scales and offsets"
+#if KVQ_KEY_CHANNELS && !(KVQ_SCALE_HALF && KVQ_OFFSETS && KVQ_KEY_BITS <= 4)
+#error "per-channel keys are KIVI's: 2-4-bit codes with fp16 scales and offsets"
 #endif
 #define KVQ_HEADS 4                       // query rows per group in the fragments
 #define KVQ_TILE 16                       // tokens per warp step
 #define KVQ_WARPS 4
 #define KVQ_MIN_BLOCKS 3
-#define KVQ_CODES_BYTES (KVQ_TILE * KVQ_ROW_BYTES)
+#define KVQ_VALUE_CODES_BYTES (KVQ_TILE * KVQ_VALUE_ROW_BYTES)
 #if KVQ_SCALE_HALF
 typedef unsigned short kvq_scale;
 #define KVQ_SCALE_BYTES 2
@@ -105,7 +120,7 @@ typedef float kvq_scale;
 #define KVQ_KEY_STATS_CHUNK (KVQ_KEY_STATS_BYTES / KVQ_TILE)  // per-channel key stats: each K-stats lane's share
 #define KVQ_KEY_CODES_BYTES (KVQ_TILE * KVQ_KEY_ROW_BYTES)
 #define KVQ_V_AT KVQ_KEY_CODES_BYTES
-#define KVQ_KS_AT (KVQ_V_AT + KVQ_CODES_BYTES)
+#define KVQ_KS_AT (KVQ_V_AT + KVQ_VALUE_CODES_BYTES)
 #define KVQ_VS_AT (KVQ_KS_AT + KVQ_KEY_STATS_BYTES)
 #define KVQ_STAGE_BYTES (KVQ_VS_AT + KVQ_SCALES_BYTES)
 // Tiles a warp keeps in flight + 1: as many as fit in 48 KB of static shared memory beside the mapped rows, at most
@@ -120,10 +135,15 @@ typedef float kvq_scale;
 #define KVQ_FULL 0xFFFFFFFFu
 #define KVQ_NEG_INF __int_as_float(0xFF800000)
 
-// One lane's share of a tile's copies (four 16-byte chunks of codes and one token's stats): where they go
-// in a stage, and where they come from for the warp's first tile (its later ones: kvq_tile, kvq_sources).
+#define KVQ_SECOND_CHUNK 512  // a lane's second chunk of a tile's codes, 32 chunks on
+
+// One lane's share of a tile's copies (16-byte chunks of codes and one token's stats): where they go in a stage, and
+// where they come from for the warp's first tile (its later ones: kvq_tile, kvq_sources). A tile's codes of each role
+// are one run of 16-byte chunks in memory; the lane copies chunk `lane` of each and chunk lane + 32 where the run is
+// that long (KVQ_SECOND_CHUNK): for int4 rows, chunk lane % 4 of tokens lane / 4 and + 8. Int8 keys take chunks
+// lane % 4 and + 4 of those tokens' rows.
 struct kvq_copy_plan {
-    const uchar* key;         // codes: K and V chunks `chunk` of tokens `token` and token + 8
+    const uchar* key;         // codes: the lane's first K and V chunks
     const uchar* value;
     const kvq_scale* scales;  // lanes 0-15: K stats of token lane (per-channel: chunk lane of a group's); 16-31: V
                               // stats of token lane - 16
@@ -140,19 +160,31 @@ __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned lon
     plan.head_row = head_row;
     plan.first_t0 = first_t0;
     unsigned long long first_token = head_row + first_t0;
+#if KVQ_KEY_BITS == 8 || KVQ_VALUE_BITS == 4
     uint chunk = lane % 4;
+#endif
     plan.token = lane / 4;
 #if KVQ_TOKEN_SCALE
     plan.scale_token = 8 * (lane % KVQ_TILE);  // lanes 0, 1 (K) and 16, 17 (V): tokens 0-7 and 8-15; the rest none
 #else
     plan.scale_token = lane % KVQ_TILE;
 #endif
-    plan.key = key_codes + (first_token + plan.token) * KVQ_KEY_ROW_BYTES + 16 * chunk;
-    plan.value = value_codes + (first_token + plan.token) * KVQ_ROW_BYTES + 16 * chunk;
-    plan.scales = (lane < KVQ_TILE ? key_scales : value_scales) + (first_token + plan.scale_token) * KVQ_STATS;
+#if KVQ_KEY_BITS == 8
     plan.key_at = plan.token * KVQ_KEY_ROW_BYTES + 16 * chunk;
-    plan.value_at = KVQ_V_AT + kvq_v_row(plan.token) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token, chunk);
-    plan.value_next_at = KVQ_V_AT + kvq_v_row(plan.token + 8) * KVQ_ROW_BYTES + 16 * kvq_v_chunk(plan.token + 8, chunk);
+#else
+    plan.key_at = 16 * lane;
+#endif
+    plan.key = key_codes + first_token * KVQ_KEY_ROW_BYTES + plan.key_at;
+    plan.value = value_codes + first_token * KVQ_VALUE_ROW_BYTES + 16 * lane;
+    plan.scales = (lane < KVQ_TILE ? key_scales : value_scales) + (first_token + plan.scale_token) * KVQ_STATS;
+#if KVQ_VALUE_BITS == 4
+    plan.value_at = KVQ_V_AT + kvq_v_row(plan.token) * KVQ_VALUE_ROW_BYTES + 16 * kvq_v_chunk(plan.token, chunk);
+    plan.value_next_at = KVQ_V_AT + kvq_v_row(plan.token + 8) * KVQ_VALUE_ROW_BYTES +
+                         16 * kvq_v_chunk(plan.token + 8, chunk);
+#else  // in order: kvq_value_word reads them where they are packed
+    plan.value_at = KVQ_V_AT + 16 * lane;
+    plan.value_next_at = plan.value_at + KVQ_SECOND_CHUNK;
+#endif
     plan.scale_at = (lane < KVQ_TILE ? KVQ_KS_AT : KVQ_VS_AT) + plan.scale_token * KVQ_SCALE_ROW_BYTES;
 #if KVQ_KEY_CHANNELS
     if (lane < KVQ_TILE) {
@@ -163,9 +195,11 @@ __device__ __forceinline__ kvq_copy_plan kvq_plan_copies(uint lane, unsigned lon
     return plan;
 }
 
-#define KVQ_NEXT_ROWS (8 * KVQ_ROW_BYTES)  // from a lane's token to token + 8
 #define KVQ_NEXT_KEY_ROWS (8 * KVQ_KEY_ROW_BYTES)
 #define KVQ_KEY_HALF_ROW 64               // int8 keys: a lane's second chunk of each row, 4 chunks on
+
+// The token that chunk `chunk` of a tile's run of rows of `row_bytes` each lies in.
+__device__ __forceinline__ uint kvq_chunk_token(uint chunk, uint row_bytes) { return 16 * chunk / row_bytes; }
 
 // The i-th tile of warp `warp` in its split: the warps take tiles in turn; for per-channel keys, pairs of tiles in
 // turn, so that a warp's two tiles of a 32-token group follow each other and share one fold of the group's scales
@@ -197,7 +231,8 @@ struct kvq_tile_sources {
 
 __device__ __forceinline__ kvq_tile_sources kvq_sources(const kvq_copy_plan& plan, uint t0) {
     unsigned long long step = t0 - plan.first_t0;
-    return {plan.key + step * KVQ_KEY_ROW_BYTES, plan.value + step * KVQ_ROW_BYTES, plan.scales + step * KVQ_STATS};
+    return {plan.key + step * KVQ_KEY_ROW_BYTES, plan.value + step * KVQ_VALUE_ROW_BYTES,
+            plan.scales + step * KVQ_STATS};
 }
 
 // One token's stats global -> shared (8-byte copies for a row of four fp16 scales, which is 8-byte aligned only;
@@ -238,27 +273,40 @@ __device__ __forceinline__ void kvq_copy_tile_stats(const kvq_copy_plan& plan, u
     kvq_copy_stats(stage + plan.scale_at, scales, valid);
 }
 
+// The lane's chunks of a tile's run of codes (rows of `row_bytes`; the lane's first chunk `from`, its second
+// KVQ_SECOND_CHUNK on) into the stage at `at` and `second` bytes on, chunks of tokens from `end` on zero-filled.
+__device__ __forceinline__ void kvq_copy_run(uint at, const uchar* from, uint lane, uint t0, uint end, uint row_bytes,
+                                             uint second = KVQ_SECOND_CHUNK) {
+    const uchar* first_row = from - 16 * lane;
+    bool valid = t0 + kvq_chunk_token(lane, row_bytes) < end;
+    kvq_copy16(at, valid ? from : first_row, valid ? 16 : 0);
+    if (row_bytes >= 64 || lane + 32 < row_bytes) {  // 16 tokens' rows are row_bytes chunks
+        bool next_valid = t0 + kvq_chunk_token(lane + 32, row_bytes) < end;
+        kvq_copy16(at + second, next_valid ? from + KVQ_SECOND_CHUNK : first_row, next_valid ? 16 : 0);
+    }
+}
+
 // Issues the copies of the warp's i-th tile (its first token `t0`; tokens from `end` on are zero-filled,
 // read from the tile's first row instead) into `stage`.
 __device__ __forceinline__ void kvq_issue_tile(const kvq_copy_plan& plan, uint stage, uint t0, uint end) {
     kvq_tile_sources from = kvq_sources(plan, t0);
     const uchar *key = from.key, *value = from.value;
     const kvq_scale* scales = from.scales;
-    bool valid = t0 + plan.token < end, next_valid = t0 + plan.token + 8 < end;
+    uint lane = threadIdx.x % 32;
     bool scale_valid = t0 + plan.scale_token < end;
-    const uint next = KVQ_NEXT_ROWS, next_key = KVQ_NEXT_KEY_ROWS;
+#if KVQ_KEY_BITS == 8
+    bool valid = t0 + plan.token < end, next_valid = t0 + plan.token + 8 < end;
+    const uint next_key = KVQ_NEXT_KEY_ROWS, half = KVQ_KEY_HALF_ROW;
     const uchar* first_key = key - plan.token * KVQ_KEY_ROW_BYTES;
     kvq_copy16(stage + plan.key_at, valid ? key : first_key, valid ? 16 : 0);
     kvq_copy16(stage + plan.key_at + next_key, next_valid ? key + next_key : first_key, next_valid ? 16 : 0);
-#if KVQ_KEY_BITS == 8
-    const uint half = KVQ_KEY_HALF_ROW;
     kvq_copy16(stage + plan.key_at + half, valid ? key + half : first_key, valid ? 16 : 0);
     kvq_copy16(stage + plan.key_at + next_key + half, next_valid ? key + next_key + half : first_key,
                next_valid ? 16 : 0);
+#else
+    kvq_copy_run(stage + plan.key_at, key, lane, t0, end, KVQ_KEY_ROW_BYTES);
 #endif
-    kvq_copy16(stage + plan.value_at, valid ? value : value - plan.token * KVQ_ROW_BYTES, valid ? 16 : 0);
-    kvq_copy16(stage + plan.value_next_at, next_valid ? value + next : value - plan.token * KVQ_ROW_BYTES,
-               next_valid ? 16 : 0);
+    kvq_copy_run(stage + plan.value_at, value, lane, t0, end, KVQ_VALUE_ROW_BYTES, plan.value_next_at - plan.value_at);
 #if KVQ_TOKEN_SCALE
     kvq_copy_token_scales(plan, stage, scales, scale_valid ? min(end - t0 - plan.scale_token, 8u) : 0u);
 #else
@@ -274,15 +322,23 @@ __device__ __forceinline__ void kvq_copy16_whole(uint shared, const void* global
 
 __device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, uint stage, uint t0) {
     kvq_tile_sources from = kvq_sources(plan, t0);
+    uint lane = threadIdx.x % 32;
+#if KVQ_KEY_BITS == 8
     kvq_copy16_whole(stage + plan.key_at, from.key);
     kvq_copy16_whole(stage + plan.key_at + KVQ_NEXT_KEY_ROWS, from.key + KVQ_NEXT_KEY_ROWS);
-#if KVQ_KEY_BITS == 8
     kvq_copy16_whole(stage + plan.key_at + KVQ_KEY_HALF_ROW, from.key + KVQ_KEY_HALF_ROW);
     kvq_copy16_whole(stage + plan.key_at + KVQ_NEXT_KEY_ROWS + KVQ_KEY_HALF_ROW,
                      from.key + KVQ_NEXT_KEY_ROWS + KVQ_KEY_HALF_ROW);
+#else
+    kvq_copy16_whole(stage + plan.key_at, from.key);
+    if (KVQ_KEY_ROW_BYTES >= 64 || lane + 32 < KVQ_KEY_ROW_BYTES) {
+        kvq_copy16_whole(stage + plan.key_at + KVQ_SECOND_CHUNK, from.key + KVQ_SECOND_CHUNK);
+    }
 #endif
     kvq_copy16_whole(stage + plan.value_at, from.value);
-    kvq_copy16_whole(stage + plan.value_next_at, from.value + KVQ_NEXT_ROWS);
+    if (KVQ_VALUE_ROW_BYTES >= 64 || lane + 32 < KVQ_VALUE_ROW_BYTES) {
+        kvq_copy16_whole(stage + plan.value_next_at, from.value + KVQ_SECOND_CHUNK);
+    }
 #if KVQ_TOKEN_SCALE
     kvq_copy_token_scales(plan, stage, from.scales, 8);
 #else
@@ -422,6 +478,35 @@ __device__ __forceinline__ void kvq_channel_operands(const uint (&q_low)[8], con
 }
 #endif
 
+// Group c's 32 key codes of a token's `row` in a stage as four words of nibbles, as int4 rows hold them (coordinates
+// 32 c + 8 w .. + 7 in word w).
+__device__ __forceinline__ void kvq_key_group_words(const uchar* row, uint c, uint (&words)[4]) {
+#if KVQ_KEY_BITS == 4
+    uint4 codes = *(const uint4*)(row + 16 * c);
+    words[0] = codes.x, words[1] = codes.y, words[2] = codes.z, words[3] = codes.w;
+#elif KVQ_KEY_BITS == 3
+    const uint* run = (const uint*)(row + 12 * c);
+    kvq_widen3(run[0], run[1], run[2], words);
+#else
+    uint2 run = *(const uint2*)(row + 8 * c);
+    kvq_widen2(run.x, run.y, words);
+#endif
+}
+
+// Value codes 8 eighth .. 8 eighth + 7 of a tile's token as a word of nibbles (int4 rows: the stage's word itself).
+__device__ __forceinline__ uint kvq_value_word(const uchar* tile, uint token, uint eighth) {
+#if KVQ_VALUE_BITS == 4
+    return *(const uint*)(tile + KVQ_V_AT + kvq_v_row(token) * KVQ_VALUE_ROW_BYTES +
+                          kvq_v_chunk(token, eighth / 4) * 16 + 4 * (eighth % 4));
+#elif KVQ_VALUE_BITS == 3  // three bytes, wherever they lie in their words (the one after a row's last is in the stage)
+    uint at = KVQ_V_AT + token * KVQ_VALUE_ROW_BYTES + 3 * eighth;
+    const uint* words = (const uint*)(tile + (at & ~3u));
+    return kvq_spread3(__funnelshift_r(words[0], words[1], 8 * (at & 3u)));
+#else
+    return kvq_spread2(*(const ushort*)(tile + KVQ_V_AT + token * KVQ_VALUE_ROW_BYTES + 2 * eighth));
+#endif
+}
+
 // kvq_decode_partial's arguments as one __grid_constant__ parameter, which the split functions read in place
 // (kvq.kernels.cuda_decode.DecodeArguments mirrors it field for field).
 struct kvq_decode_args {
@@ -558,8 +643,8 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
                         kvq_prmt(biased, 0x64646464u, 0x5150), kvq_prmt(biased, 0x64646464u, 0x5352));
             }
 #elif KVQ_CODEBOOK
-            uint4 codes = *(const uint4*)(tile + (8 * n + r) * KVQ_ROW_BYTES + 16 * c);
-            uint words[4] = {codes.x, codes.y, codes.z, codes.w};
+            uint words[4];
+            kvq_key_group_words(tile + (8 * n + r) * KVQ_KEY_ROW_BYTES, c, words);
 #pragma unroll
             for (uint w = 0; w < 4; ++w) {
                 uint low[2], high[2];
@@ -569,8 +654,8 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
                         low[1], high[1]);
             }
 #else
-            uint4 codes = *(const uint4*)(tile + (8 * n + r) * KVQ_ROW_BYTES + 16 * c);
-            uint words[4] = {codes.x, codes.y, codes.z, codes.w};
+            uint words[4];
+            kvq_key_group_words(tile + (8 * n + r) * KVQ_KEY_ROW_BYTES, c, words);
 #pragma unroll
             for (uint w = 0; w < 4; ++w) {
                 uint front = kvq_prmt(words[w], 0, 0x4140), back = kvq_prmt(words[w], 0, 0x4342);
@@ -665,8 +750,7 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
 #pragma unroll
             for (uint t = 0; t < 4; ++t) {
                 uint token = 8 * (t / 2) + 2 * c + t % 2;
-                word[t] = *(const uint*)(tile + KVQ_V_AT + kvq_v_row(token) * KVQ_ROW_BYTES +
-                                         kvq_v_chunk(token, chunk) * 16 + 4 * (r % 4));
+                word[t] = kvq_value_word(tile, token, 4 * chunk + r % 4);
             }
 #if KVQ_CODEBOOK
             // byte k of the four tokens side by side (a 4 x 4 byte transpose), then their 8 codes' levels
@@ -820,8 +904,9 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
         uint start = split * args.tokens_per_split, end = min(start + args.tokens_per_split, n_packed);
 #if KVQ_CODEBOOK  // constants, read before the previous kernel ends; kvq_packed_split syncs before their use
         if (threadIdx.x < 16) {
-            tables[threadIdx.x / 8].word[threadIdx.x % 8] =
-                kvq_level_table_word(threadIdx.x < 8 ? args.key_levels : args.value_levels, threadIdx.x % 8);
+            tables[threadIdx.x / 8].word[threadIdx.x % 8] = threadIdx.x < 8
+                ? kvq_level_table_word(args.key_levels, 1u << KVQ_KEY_BITS, threadIdx.x % 8)
+                : kvq_level_table_word(args.value_levels, 1u << KVQ_VALUE_BITS, threadIdx.x % 8);
         }
 #endif
         kvq_packed_split(args, stages, mapped_rows, tables, start, end, bh, split);

@@ -125,19 +125,46 @@ __device__ __forceinline__ uint kvq_high_nibbles(uint lanes) {
     return out;
 }
 
+// Narrow codes widened into words of nibbles (code i of the result in bits 4i .. 4i + 3), each step moving every
+// other field up by its width: kvq_spread2 takes 8 2-bit codes (bits 0-15), kvq_spread3 8 3-bit ones (bits 0-23).
+__device__ __forceinline__ uint kvq_spread2(uint codes) {
+    uint t = codes & 0xFFFFu;
+    t = (t | t << 8) & 0x00FF00FFu;
+    t = (t | t << 4) & 0x0F0F0F0Fu;
+    return (t | t << 2) & 0x33333333u;
+}
+__device__ __forceinline__ uint kvq_spread3(uint codes) {
+    uint t = (codes & 0xFFFu) | (codes & 0xFFF000u) << 4;
+    t = (t & 0x003F003Fu) | (t & 0x0FC00FC0u) << 2;
+    return (t & 0x07070707u) | (t & 0x38383838u) << 1;
+}
+// A run of 32 codes (BITS words, code j at bits BITS j, low word first) as four words of nibbles.
+__device__ __forceinline__ void kvq_widen2(uint low, uint high, uint (&words)[4]) {
+    words[0] = kvq_spread2(low);
+    words[1] = kvq_spread2(low >> 16);
+    words[2] = kvq_spread2(high);
+    words[3] = kvq_spread2(high >> 16);
+}
+__device__ __forceinline__ void kvq_widen3(uint first, uint second, uint third, uint (&words)[4]) {
+    words[0] = kvq_spread3(first);
+    words[1] = kvq_spread3(__funnelshift_r(first, second, 24));
+    words[2] = kvq_spread3(__funnelshift_r(second, third, 16));
+    words[3] = kvq_spread3(third >> 8);
+}
 // A 16-level codebook as byte tables (kvq_level_tables): the low bytes of fp16 levels 0-3, 4-7, 8-11, 12-15 in
 // words 0-3, level 4w + i in byte i of word w, then their high bytes in words 4-7.
 struct kvq_levels {
     uint word[8];
 };
 
-// Word `i` of the tables of the float32 `levels` (16 of them).
-__device__ __forceinline__ uint kvq_level_table_word(const float* levels, uint i) {
+// Word `i` of the tables of the float32 `levels` (`count` of them, 4, 8 or 16; the tables' other bytes zero).
+__device__ __forceinline__ uint kvq_level_table_word(const float* levels, uint count, uint i) {
     uint word = 0;
 #pragma unroll
     for (uint k = 0; k < 4; ++k) {
-        ushort half;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(half) : "f"(__ldg(levels + 4 * (i % 4) + k)));
+        ushort half = 0;
+        uint level = 4 * (i % 4) + k;
+        if (level < count) asm("cvt.rn.f16.f32 %0, %1;" : "=h"(half) : "f"(__ldg(levels + level)));
         word |= ((i < 4 ? half : half >> 8) & 0xFFu) << (8 * k);
     }
     return word;
