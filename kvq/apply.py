@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from kvq import ops
 from kvq.attention import SCORE_ATTENTION, WINDOW_ATTENTION, switch_attention, uses_score_path
-from kvq.center import MEAN_BITS, STORED_CENTERS, KeyCenter, check_center
+from kvq.center import MEAN_BITS, STORED_CENTERS, KeyCenter, check_center, check_fitted
 from kvq.errors import KvqError
 from kvq.policy import SitePolicy
 from kvq.projections import attention_modules, merge_heads, split_heads
@@ -234,8 +234,8 @@ def quantized_kv(model: torch.nn.Module, bank: QuantizerBank | None, mode: str,
     With bank None the model runs unquantized (the fp baseline), on the same code path.
     """
     check_protocol(check_mode(mode), protocol)
-    if bank is not None and bank.key_centers and bank.center is None:
-        raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
+    if bank is not None:
+        check_fitted(bank)
     if bank is not None and bank.pre_rope_layers and bank.center is None:
         bank.center = KeyCenter(model, {}, 0, bank.pre_rope_layers)
     handles = []

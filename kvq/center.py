@@ -47,6 +47,14 @@ def check_center_mode(centers, mode: str) -> None:
                        "quantizes k_proj's output before RoPE, where center: mean is that mean")
 
 
+def check_fitted(bank, layer: int | None = None) -> None:
+    """That the key offsets a bank's centered sites subtract (any layer's, or `layer`'s) are fitted: `bank` is any
+    object with key_centers and center, as QuantizerBank has."""
+    centered = bool(bank.key_centers) if layer is None else layer in bank.key_centers
+    if centered and bank.center is None:
+        raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
+
+
 def bias_reason(attention: torch.nn.Module) -> str | None:
     """Why `center: bias` cannot center this attention module's keys; None when it can."""
     if attention.k_proj.bias is None:

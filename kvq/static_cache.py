@@ -34,6 +34,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvq import ops
 from kvq.apply import QuantizerBank, kv_geometry
 from kvq.cache import DomainMaps, held_bytes
+from kvq.center import check_fitted
 from kvq.errors import KvqError
 from kvq.quant.exact import Exact
 from kvq.quant.layout import E4M3_STATS, PackedForm
@@ -177,8 +178,7 @@ class StaticQuantizedLayer(StaticKVLayer):
         self.quantizers = {role: bank.get(layer, role) for role in ROLES}
         # post_rope_mean's constant: the keys are stored less it, which moves each query's scores by one amount
         # that softmax ignores, so attention reads them as they are (kvq.center)
-        if layer in bank.key_centers and bank.center is None:
-            raise KvqError("center: the bank's key offsets are not fitted to the model (kvq.experiment.fit_center)")
+        check_fitted(bank, layer)
         self.head_offsets = bank.center.offsets[layer] if layer in bank.key_centers else None  # (heads, d)
         self.key_offset = None  # the offsets on the device, broadcast over batch and tokens
         self.forms: dict[str, PackedForm] = {role: q.packed_form() for role, q in self.quantizers.items()}
