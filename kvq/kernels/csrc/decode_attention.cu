@@ -280,7 +280,7 @@ __device__ __forceinline__ void kvq_copy_run(uint at, const uchar* from, uint la
     const uchar* first_row = from - 16 * lane;
     bool valid = t0 + kvq_chunk_token(lane, row_bytes) < end;
     kvq_copy16(at, valid ? from : first_row, valid ? 16 : 0);
-    if (row_bytes >= 64 || lane + 32 < row_bytes) {  // 16 tokens' rows are row_bytes chunks
+    if (lane + 32 < row_bytes) {  // 16 tokens' rows are row_bytes chunks
         bool next_valid = t0 + kvq_chunk_token(lane + 32, row_bytes) < end;
         kvq_copy16(at + second, next_valid ? from + KVQ_SECOND_CHUNK : first_row, next_valid ? 16 : 0);
     }
@@ -320,6 +320,13 @@ __device__ __forceinline__ void kvq_copy16_whole(uint shared, const void* global
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(global) : "memory");
 }
 
+// kvq_copy_run for a tile wholly before `end`.
+__device__ __forceinline__ void kvq_copy_whole_run(uint at, const uchar* from, uint lane, uint row_bytes,
+                                                   uint second = KVQ_SECOND_CHUNK) {
+    kvq_copy16_whole(at, from);
+    if (lane + 32 < row_bytes) kvq_copy16_whole(at + second, from + KVQ_SECOND_CHUNK);
+}
+
 __device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, uint stage, uint t0) {
     kvq_tile_sources from = kvq_sources(plan, t0);
     uint lane = threadIdx.x % 32;
@@ -330,15 +337,10 @@ __device__ __forceinline__ void kvq_issue_whole_tile(const kvq_copy_plan& plan, 
     kvq_copy16_whole(stage + plan.key_at + KVQ_NEXT_KEY_ROWS + KVQ_KEY_HALF_ROW,
                      from.key + KVQ_NEXT_KEY_ROWS + KVQ_KEY_HALF_ROW);
 #else
-    kvq_copy16_whole(stage + plan.key_at, from.key);
-    if (KVQ_KEY_ROW_BYTES >= 64 || lane + 32 < KVQ_KEY_ROW_BYTES) {
-        kvq_copy16_whole(stage + plan.key_at + KVQ_SECOND_CHUNK, from.key + KVQ_SECOND_CHUNK);
-    }
+    kvq_copy_whole_run(stage + plan.key_at, from.key, lane, KVQ_KEY_ROW_BYTES);
 #endif
-    kvq_copy16_whole(stage + plan.value_at, from.value);
-    if (KVQ_VALUE_ROW_BYTES >= 64 || lane + 32 < KVQ_VALUE_ROW_BYTES) {
-        kvq_copy16_whole(stage + plan.value_next_at, from.value + KVQ_SECOND_CHUNK);
-    }
+    kvq_copy_whole_run(stage + plan.value_at, from.value, lane, KVQ_VALUE_ROW_BYTES,
+                       plan.value_next_at - plan.value_at);
 #if KVQ_TOKEN_SCALE
     kvq_copy_token_scales(plan, stage, from.scales, 8);
 #else
