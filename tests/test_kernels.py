@@ -878,7 +878,7 @@ def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window
     step = DecodeStep(keys, values, window, (rotation.T / lam).cuda(), (rotation / lam[:, None]).cuda())
     launch = LaunchConfig(partial=partial)
     narrow_signed = min(key_bits, value_bits) < cuda_decode.NIBBLE and key_symmetric
-    if partial == "cuda" and d == 128 and key_bits in cuda_decode.KEY_BITS and value_bits in cuda_decode.VALUE_BITS \
+    if partial == "cuda" and d == 128 and key_bits in cuda_decode.KEY_BITS and value_bits in cuda_decode.NIBBLE_BITS \
             and group == 32 and q_heads // kv_heads <= 4 and not codebooks:
         # 2-8-bit keys alike, symmetric or with offsets on both sides (codes below 4 bits with offsets only); KIVI's
         # 2-4-bit keys in groups of tiles
@@ -888,7 +888,7 @@ def _check_decode_attention(partial, batch, q_heads, kv_heads, d, tokens, window
             kivi_keys if token_group > 1 else key_symmetric == value_symmetric and not narrow_signed)
     if partial == "cuda" and codebooks:
         assert cuda_decode.partial_fits(query, keys, values, window) == (
-            d == 128 and key_bits in cuda_decode.VALUE_BITS and value_bits in cuda_decode.VALUE_BITS
+            d == 128 and key_bits in cuda_decode.NIBBLE_BITS and value_bits in cuda_decode.NIBBLE_BITS
             and q_heads // kv_heads <= 4 and (group == 32 or tokens % 8 == 0))
     got, expected = decode_attention_gpu(query, step, d ** -0.5, launch), decode_attention_reference(query, step,
                                                                                                       d ** -0.5)

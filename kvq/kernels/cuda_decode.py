@@ -22,9 +22,9 @@ HEAD_DIM = 128  # csrc/decode_attention.cu's KVQ_D
 GROUPS = 4  # its scale groups per row (32 coordinates each)
 MAX_GQA = 4  # its query heads per KV head
 MMA_TILE = 16  # rows and columns of an m16n8k16 A fragment
-KEY_BITS = (2, 3, 4, 8)  # its KVQ_KEY_BITS builds
-VALUE_BITS = (2, 3, 4)  # its KVQ_VALUE_BITS builds
 NIBBLE = 4  # codes narrower than this are widened into nibbles as the kernel reads them, and must be unsigned
+NIBBLE_BITS = (2, 3, NIBBLE)  # widths it reads as nibbles: values' (KVQ_VALUE_BITS), KIVI's and codebook keys'
+KEY_BITS = (*NIBBLE_BITS, 8)  # its KVQ_KEY_BITS builds
 TILE = 16  # tokens per warp step: per-channel key groups are whole tiles, and splits start on one
 
 
@@ -60,7 +60,7 @@ def _codebook_fits(keys, values) -> bool:
     start 16-byte aligned) or one per group of 32 coordinates."""
     per_token = keys.scales.shape[-1] == values.scales.shape[-1] == 1
     aligned = all(p.scales.data_ptr() % 16 == 0 and p.scales.stride(1) % 8 == 0 for p in (keys, values))
-    return (keys.bits in VALUE_BITS and values.bits in VALUE_BITS and keys.symmetric and values.symmetric
+    return (keys.bits in NIBBLE_BITS and values.bits in NIBBLE_BITS and keys.symmetric and values.symmetric
             and keys.float_mantissa is None and values.float_mantissa is None
             and all(p.codebook.numel() == 1 << p.bits for p in (keys, values)) and keys.token_group == 1
             and keys.scales.dtype == torch.float16
@@ -83,14 +83,14 @@ def partial_fits(query: torch.Tensor, keys, values, window: tuple[torch.Tensor, 
     if keys.codebook is not None:
         codes_fit = _codebook_fits(keys, values)  # both roles' stats too
     elif keys.token_group > 1:
-        codes_fit = (keys.bits in VALUE_BITS and keys.token_group % TILE == 0 and keys.scales.shape[-1] == 2 * HEAD_DIM
+        codes_fit = (keys.bits in NIBBLE_BITS and keys.token_group % TILE == 0 and keys.scales.shape[-1] == 2 * HEAD_DIM
                      and keys.scales.dtype == torch.float16 and not values.symmetric
                      and values.scales.shape[-1] == stats)
     else:
         codes_fit = (keys.bits in KEY_BITS and keys.symmetric == values.symmetric
                      and keys.scales.shape[-1] == values.scales.shape[-1] == stats
                      and (min(keys.bits, values.bits) >= NIBBLE or not keys.symmetric))
-    return (builds_on(query.device) and codes_fit and values.bits in VALUE_BITS and keys.head_dim == HEAD_DIM
+    return (builds_on(query.device) and codes_fit and values.bits in NIBBLE_BITS and keys.head_dim == HEAD_DIM
             and values.token_group == 1
             and keys.scales.dtype == values.scales.dtype and keys.scales.dtype in KERNEL_SCALE_DTYPES
             and query.shape[1] // keys.codes.shape[1] <= MAX_GQA and query.dtype in DTYPE_DEFINES

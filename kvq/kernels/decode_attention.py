@@ -28,13 +28,12 @@ residual-window split (exact tokens) in the model's, and the reduce pass maps th
 adding the window's, so the window needs no per-step rotation.
 
 The partials come from csrc/decode_attention.cu (kvq.kernels.cuda_decode) where the shape fits it (head_dim
-128, int4 V in scale groups of 32, int4 or int8 K alike or KIVI's 2-4-bit keys with fp16 stats, K and V both
-symmetric or both with offsets, 2- and 3-bit codes with offsets, or 2-4-bit codebook codes on both sides with fp16
-scales, TurboQuant_mse's norm per token or iq4_nl's scale per 32 coordinates; at most 4 query heads per KV head), at
-every sequence length; from
-the Triton partial kernel (kvq.kernels.triton_decode) otherwise, after a kernel that maps the query. The
-reduce is the CUDA one at head_dim 128, else Triton's. On compute capability 9.0 the step's kernels are
-launched programmatically dependent, so each one's launch overlaps the kernel before it.
+128, 2-4-bit V in scale groups of 32, 2-8-bit K alike or KIVI's 2-4-bit keys with fp16 stats, K and V both
+symmetric or both with offsets, codes below 4 bits with offsets only; or 2-4-bit codebook codes on both sides with
+fp16 scales, TurboQuant_mse's norm per token or iq4_nl's scale per 32 coordinates; at most 4 query heads per KV
+head), at every sequence length; from the Triton partial kernel (kvq.kernels.triton_decode) otherwise, after a
+kernel that maps the query. The reduce is the CUDA one at head_dim 128, else Triton's. On compute capability 9.0
+the step's kernels are launched programmatically dependent, so each one's launch overlaps the kernel before it.
 
 `decode_attention` dispatches to these kernels on CUDA and to `decode_attention_reference` (dequantize to
 the model's domain, then SDPA) elsewhere; the GPU tests check the two agree.
