@@ -9,16 +9,14 @@ partials under fused_decoding) and of the same static cache through the torch re
 between the protocol cache's top two logits: a greedy test can part where that margin is within twice the gap.
 """
 import sys
-from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, "tests")
-from test_static_cache import FRONTIER, greedy, tiny
+from test_static_cache import FRONTIER, centered_bank, greedy, tiny
 
-from kvq.apply import QuantizerBank, kv_geometry, quantized_kv
+from kvq.apply import quantized_kv
 from kvq.cache import fused_decoding
-from kvq.center import KeyCenter
 from kvq.protocol import Protocol
 from kvq.quant import QuantSpec
 from kvq.static_cache import StaticQuantizedCache
@@ -28,12 +26,7 @@ LAYOUTS = {"turbo4": FRONTIER["turbo4"], "srft4": QuantSpec("srft", 4, "per_grou
 
 def gaps(kind: str, spec: QuantSpec, scale: float, device: str) -> tuple[float, float, float]:
     model = tiny(kind).to(device)
-    geometry = kv_geometry(model.config)
-    bank = QuantizerBank(replace(spec, center="post_rope_mean"), geometry)
-    generator = torch.Generator().manual_seed(2)
-    offsets = {layer: torch.randn(geometry.n_kv_heads, geometry.head_dim, generator=generator) * scale
-               for layer in bank.key_centers}
-    bank.center = KeyCenter(model, offsets, 0, fixed=frozenset(offsets))
+    bank = centered_bank(model, spec, scale)
     prompt = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
     fed = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(3)).to(device)
     with quantized_kv(model, bank, "cache", Protocol(16, exact_prefill=True)) as fresh:

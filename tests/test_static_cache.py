@@ -5,6 +5,7 @@ attention is the reference it must match.
 """
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -149,6 +150,18 @@ def test_frontier_layouts_in_the_static_cache_match_the_eager_protocol_cache(kin
     assert torch.equal(fused_tokens, expected_tokens)
 
 
+def centered_bank(model, spec: QuantSpec, scale: float) -> QuantizerBank:
+    """A bank of `spec` whose keys are stored less a fixed random offset per layer (center: post_rope_mean's form),
+    its entries of size `scale`."""
+    geometry = kv_geometry(model.config)
+    bank = QuantizerBank(replace(spec, center="post_rope_mean"), geometry)
+    generator = torch.Generator().manual_seed(2)
+    offsets = {layer: torch.randn(geometry.n_kv_heads, geometry.head_dim, generator=generator) * scale
+               for layer in bank.key_centers}
+    bank.center = KeyCenter(model, offsets, 0, fixed=frozenset(offsets))
+    return bank
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", [QuantSpec("srft", 4, "per_group", 16), FRONTIER["turbo4"], FRONTIER["kivi4"]],
                          ids=["srft4", "turbo4", "kivi4"])
@@ -161,19 +174,13 @@ def test_keys_stored_less_a_constant_score_as_the_protocol_cache_which_adds_it_b
     point per channel takes up any offset per channel. The static cache follows the protocol cache's greedy tokens:
     some steps' top two logits lie closer than the fused kernels' fp16 query moves them on CUDA, so each cache's own
     greedy tokens can part without any score being wrong."""
-    from dataclasses import replace
-
     model = tiny(kind).to(device)
-    geometry = kv_geometry(model.config)
-    bank = QuantizerBank(replace(spec, center="post_rope_mean"), geometry)
-    generator = torch.Generator().manual_seed(2)
-    offsets = {layer: torch.randn(geometry.n_kv_heads, geometry.head_dim, generator=generator) * 2
-               for layer in bank.key_centers}
-    bank.center = KeyCenter(model, offsets, 0, fixed=frozenset(offsets))
+    bank = centered_bank(model, spec, 2)
     prompt = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
     with quantized_kv(model, bank, "cache", Protocol(16, exact_prefill=True)) as fresh:
         expected_tokens, expected = greedy(model, fresh()["past_key_values"], prompt, 30)
-    with quantized_kv(model, QuantizerBank(spec, geometry), "cache", Protocol(16, exact_prefill=True)) as fresh:
+    uncentered_bank = QuantizerBank(spec, kv_geometry(model.config))
+    with quantized_kv(model, uncentered_bank, "cache", Protocol(16, exact_prefill=True)) as fresh:
         uncentered = greedy(model, fresh()["past_key_values"], prompt, 30)[1]
     moved = (uncentered - expected).abs().max()
     assert moved < 2e-3 if spec.quantizer == "kivi" else moved > 20 * 2e-4
