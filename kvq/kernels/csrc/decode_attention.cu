@@ -650,7 +650,7 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
 #pragma unroll
             for (uint w = 0; w < 4; ++w) {
                 uint low[2], high[2];
-                kvq_lookup_levels(key_levels, words[w], low, high);
+                kvq_lookup_levels(key_levels, words[w], low, high, KVQ_KEY_BITS < 4);
                 kvq_mma(s[n], q_frag[2 * w][0], q_frag[2 * w][1], q_frag[2 * w][2], q_frag[2 * w][3], low[0], high[0]);
                 kvq_mma(s[n], q_frag[2 * w + 1][0], q_frag[2 * w + 1][1], q_frag[2 * w + 1][2], q_frag[2 * w + 1][3],
                         low[1], high[1]);
@@ -763,7 +763,7 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
 #pragma unroll
             for (uint k = 0; k < 4; ++k) {
                 uint low[2], high[2];  // low[0], high[0]: tokens 0, 1 (near); low[1], high[1]: tokens 2, 3 (far)
-                kvq_lookup_levels(value_levels, bytes[k], low, high);
+                kvq_lookup_levels(value_levels, bytes[k], low, high, KVQ_VALUE_BITS < 4);
                 kvq_mma(acc[j][k], low[0], high[0], low[1], high[1], b[j][0], b[j][1]);
             }
 #else
