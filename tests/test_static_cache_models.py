@@ -81,10 +81,12 @@ def log_probs_three_ways(lm, layout: str, tokens: torch.Tensor) -> tuple[torch.T
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_decode_steps_through_the_static_cache_score_as_the_protocol_cache(name, layout, device):
-    """On CUDA the fused kernels take the query in fp16 (the model runs in fp16 there), and the bound is looser."""
+    """The model runs in fp32 on every device, so the caches differ by what the static cache's own arithmetic
+    rounds: float32's on the CPU (the torch reference), the fused kernels' fp16 tensor-core operands on CUDA, where
+    the bound is looser. In fp16 the model's arithmetic alone moves some layouts' protocol caches by more than that
+    bound (benchmarks/static_cache_fp16_floor.py gives each layout's fp16 rounding)."""
     lm = loaded(name)
-    dtype = torch.float32 if device == "cpu" else torch.float16
-    lm.model.to(device, dtype)
+    lm.model.to(device, torch.float32)
     try:
         tokens = token_windows(lm.tokenizer, "shakespeare", PROMPT + STEPS, 1).to(device)
         reference, fp, fused = log_probs_three_ways(lm, layout, tokens)
