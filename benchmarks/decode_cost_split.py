@@ -2,7 +2,7 @@
 group) and the fused attention over 32K packed tokens, at Llama-3-8B's heads (32 query, 8 KV, d 128), batch 1 unless
 named.
 
-    python benchmarks/decode_cost_split.py [--batch 8] [--layouts int4-srft-g32,kivi4]
+    python benchmarks/decode_cost_split.py [--batch 8] [--layouts int4-srft-g32,kivi4,k8v4]
 
 Each is timed as CUDA-graph replays of one call per layer over 32 distinct layers' caches and written rows
 (kvq.bench.timing.time_per_layer), so no layer's packed bytes are still in L2 when it is read again; the mean per
@@ -15,8 +15,10 @@ import torch
 
 from kvq import ops
 from kvq.apply import KVGeometry, QuantizerBank
+from kvq.bench.decode import K8_V4
 from kvq.bench.timing import time_per_layer
 from kvq.cache import DomainMaps
+from kvq.policy import parse_policy
 from kvq.quant import QuantSpec
 
 T, HKV, HQ, D, LAYERS = 32768, 8, 32, 128, 32
@@ -26,11 +28,13 @@ LAYOUTS = {"int4-srft-g32": QuantSpec("srft", 4, "per_group", 32),
            "turbo4": QuantSpec("turbo", 4), "turbo3": QuantSpec("turbo", 3), "mxfp4": QuantSpec("mx"),
            "int3-srft-g32": QuantSpec("srft", 3, "per_group", 32),
            "nvfp4": QuantSpec("nvfp4"), "fp8-token": QuantSpec("fp8", options={"scale": "token"}),
-           "fp8-tensor": QuantSpec("fp8", options={"scale": "tensor"})}
+           "fp8-tensor": QuantSpec("fp8", options={"scale": "tensor"}),
+           "k8v4": QuantSpec("srft", 4, "per_group", 32)}
+POLICIES = {"k8v4": K8_V4}  # a layout whose K and V differ: kvq bench decode's policy for its cache
 
 
 def measure(name: str, spec: QuantSpec, batch: int, generator: torch.Generator) -> None:
-    bank = QuantizerBank(spec, KVGeometry(1, HKV, D))
+    bank = QuantizerBank(spec, KVGeometry(1, HKV, D), policy=parse_policy(POLICIES.get(name)))
     forms, states, writes = {}, {}, {}
     for role in ("k", "v"):
         rows = torch.randn(batch, HKV, T, D, device="cuda", generator=generator, dtype=torch.float16)
