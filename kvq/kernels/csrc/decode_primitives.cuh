@@ -125,13 +125,21 @@ __device__ __forceinline__ uint kvq_high_nibbles(uint lanes) {
     return out;
 }
 
+// (a | b) & mask in one instruction, which the compiler otherwise splits into two or three.
+__device__ __forceinline__ uint kvq_or_and(uint a, uint b, uint mask) {
+    uint out;
+    asm("lop3.b32 %0, %1, %2, %3, 0xa8;" : "=r"(out) : "r"(a), "r"(b), "r"(mask));
+    return out;
+}
+
 // Narrow codes widened into words of nibbles (code i of the result in bits 4i .. 4i + 3), each step moving every
-// other field up by its width: kvq_spread2 takes 8 2-bit codes (bits 0-15), kvq_spread3 8 3-bit ones (bits 0-23).
-__device__ __forceinline__ uint kvq_spread2(uint codes) {
-    uint t = codes & 0xFFFFu;
-    t = (t | t << 8) & 0x00FF00FFu;
-    t = (t | t << 4) & 0x0F0F0F0Fu;
-    return (t | t << 2) & 0x33333333u;
+// other field up by its width: kvq_spread2 takes 8 2-bit codes (bits 0-15, or bits 16-31 where `upper`), kvq_spread3
+// 8 3-bit ones (bits 0-23). kvq_spread2's first step is a byte permute; at its next two a field and the one moved
+// onto its right meet zeros, so an OR and the mask are one instruction.
+__device__ __forceinline__ uint kvq_spread2(uint codes, bool upper = false) {
+    uint t = kvq_prmt(codes, 0u, upper ? 0x4342u : 0x4140u);  // the two bytes to bytes 0 and 2
+    t = kvq_or_and(t, t << 4, 0x0F0F0F0Fu);
+    return kvq_or_and(t, t << 2, 0x33333333u);
 }
 __device__ __forceinline__ uint kvq_spread3(uint codes) {
     uint t = (codes & 0xFFFu) | (codes & 0xFFF000u) << 4;
@@ -141,9 +149,9 @@ __device__ __forceinline__ uint kvq_spread3(uint codes) {
 // A run of 32 codes (BITS words, code j at bits BITS j, low word first) as four words of nibbles.
 __device__ __forceinline__ void kvq_widen2(uint low, uint high, uint (&words)[4]) {
     words[0] = kvq_spread2(low);
-    words[1] = kvq_spread2(low >> 16);
+    words[1] = kvq_spread2(low, true);
     words[2] = kvq_spread2(high);
-    words[3] = kvq_spread2(high >> 16);
+    words[3] = kvq_spread2(high, true);
 }
 __device__ __forceinline__ void kvq_widen3(uint first, uint second, uint third, uint (&words)[4]) {
     words[0] = kvq_spread3(first);
