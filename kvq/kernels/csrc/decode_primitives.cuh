@@ -141,10 +141,13 @@ __device__ __forceinline__ uint kvq_spread2(uint codes, bool upper = false) {
     t = kvq_or_and(t, t << 4, 0x0F0F0F0Fu);
     return kvq_or_and(t, t << 2, 0x33333333u);
 }
+// kvq_spread3's steps move a field up by w bits as an add of (2^w - 1) times it (t - field + (field << w)), one
+// multiply-add where a shift, a mask and an OR would take three.
 __device__ __forceinline__ uint kvq_spread3(uint codes) {
-    uint t = (codes & 0xFFFu) | (codes & 0xFFF000u) << 4;
-    t = (t & 0x003F003Fu) | (t & 0x0FC00FC0u) << 2;
-    return (t & 0x07070707u) | (t & 0x38383838u) << 1;
+    uint t = codes & 0xFFFFFFu;
+    t += 15u * (codes & 0xFFF000u);  // the upper 12 bits up by 4: fields at bits 0-11 and 16-27
+    t += 3u * (t & 0x0FC00FC0u);     // each field's upper 6 bits up by 2: one 6-bit field a byte
+    return t + (t & 0x38383838u);    // each byte's upper 3 bits up by 1: one code a nibble
 }
 // A run of 32 codes (BITS words, code j at bits BITS j, low word first) as four words of nibbles.
 __device__ __forceinline__ void kvq_widen2(uint low, uint high, uint (&words)[4]) {
