@@ -22,14 +22,15 @@ from kvq.policy import parse_policy
 from kvq.quant import QuantSpec
 
 T, HKV, HQ, D, LAYERS = 32768, 8, 32, 128, 32
-LAYOUTS = {"int4-srft-g32": QuantSpec("srft", 4, "per_group", 32),
+INT4_G32 = QuantSpec("srft", 4, "per_group", 32)  # kvq bench decode's int4, and the base its K8/V4 policy raises
+LAYOUTS = {"int4-srft-g32": INT4_G32,
            "int4-asym-g32": QuantSpec("srft", 4, "per_group", 32, symmetric=False, scale_dtype="float16"),
            "kivi4": QuantSpec("kivi", 4, group_size=32), "kivi2": QuantSpec("kivi", 2, group_size=32),
            "turbo4": QuantSpec("turbo", 4), "turbo3": QuantSpec("turbo", 3), "mxfp4": QuantSpec("mx"),
            "int3-srft-g32": QuantSpec("srft", 3, "per_group", 32),
            "nvfp4": QuantSpec("nvfp4"), "fp8-token": QuantSpec("fp8", options={"scale": "token"}),
            "fp8-tensor": QuantSpec("fp8", options={"scale": "tensor"}),
-           "k8v4": QuantSpec("srft", 4, "per_group", 32)}
+           "k8v4": INT4_G32}
 POLICIES = {"k8v4": K8_V4}  # a layout whose K and V differ: kvq bench decode's policy for its cache
 
 
