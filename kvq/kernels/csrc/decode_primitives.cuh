@@ -199,25 +199,17 @@ __device__ __forceinline__ uint kvq_select_bytes(uint a, uint b, uint c) {
 // tables hold every level and the selection between tables drops out: 8 instructions per 8 codes.
 __device__ __forceinline__ void kvq_lookup_levels(const kvq_levels& t, uint codes, uint (&low)[2], uint (&high)[2],
                                                   bool eight_levels = false) {
-    if (eight_levels) {
-#pragma unroll
-        for (uint half = 0; half < 2; ++half) {
-            uint selector = half ? codes >> 16 : codes;
-            uint lows = kvq_prmt(t.word[0], t.word[1], selector), highs = kvq_prmt(t.word[4], t.word[5], selector);
-            low[half] = kvq_prmt(lows, highs, 0x6240);
-            high[half] = kvq_prmt(lows, highs, 0x7351);
-        }
-        return;
-    }
-    uint fields = codes & 0x77777777u, shifted = codes << 4;  // shifted: a low nibble's bit 3 at its byte's bit 7
+    uint fields = eight_levels ? codes : codes & 0x77777777u;
+    uint shifted = codes << 4;  // a low nibble's bit 3 at its byte's bit 7
 #pragma unroll
     for (uint half = 0; half < 2; ++half) {
         uint selector = half ? fields >> 16 : fields;
-        uint upper = kvq_prmt(shifted, codes, half ? 0xFBEA : 0xD9C8);  // 0xFF where the code's bit 3 is set
-        uint lows = kvq_select_bytes(kvq_prmt(t.word[0], t.word[1], selector),
-                                     kvq_prmt(t.word[2], t.word[3], selector), upper);
-        uint highs = kvq_select_bytes(kvq_prmt(t.word[4], t.word[5], selector),
-                                      kvq_prmt(t.word[6], t.word[7], selector), upper);
+        uint lows = kvq_prmt(t.word[0], t.word[1], selector), highs = kvq_prmt(t.word[4], t.word[5], selector);
+        if (!eight_levels) {
+            uint upper = kvq_prmt(shifted, codes, half ? 0xFBEA : 0xD9C8);  // 0xFF where the code's bit 3 is set
+            lows = kvq_select_bytes(lows, kvq_prmt(t.word[2], t.word[3], selector), upper);
+            highs = kvq_select_bytes(highs, kvq_prmt(t.word[6], t.word[7], selector), upper);
+        }
         low[half] = kvq_prmt(lows, highs, 0x6240);
         high[half] = kvq_prmt(lows, highs, 0x7351);
     }
