@@ -15,20 +15,22 @@ def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_r
     heard, so_far = [], []
     result = decode.bench_decode("cpu", prompts=(40,), new_tokens=5, config=config, repeats=2, batches=(1, 2),
                                  progress=heard.append, on_rows=so_far.append)
-    # the rows so far after each round but a prompt and batch's last, and as each prompt and batch ends: batch 1's
-    # first round, batch 1's, batch 1's and batch 2's first round, then all
-    assert [{row["batch"] for row in partial["rows"]} for partial in so_far] == [{1}, {1}, {1, 2}, {1, 2}]
-    assert so_far[-1] == result and so_far[1]["rows"] == result["rows"][:len(so_far[1]["rows"])]
-    for batch, first_round, finished in ((1, so_far[0], so_far[1]), (2, so_far[2], so_far[3])):
-        running, done = ([row for row in result_so_far["rows"] if row["batch"] == batch]
-                         for result_so_far in (first_round, finished))
-        assert [row["cache"] for row in running] == [row["cache"] for row in done]
-        for partial, row in zip(running, done, strict=True):
-            if "skipped" not in row:
-                assert partial["ms_per_token_runs"] == row["ms_per_token_runs"][:1]
+    # the rows so far after each timed run but a prompt and batch's last, then as each prompt and batch ends: a
+    # cache's row appears with its first run and gains a run a round, the rows of an earlier batch kept whole
+    skipped_at_batch_1 = {row["cache"] for row in result["rows"] if "skipped" in row and row["batch"] == 1}
+    ready = [cache.label for cache in decode.DECODE_CACHES if cache.label not in skipped_at_batch_1]
+    assert len(so_far) == 2 * 2 * len(ready) and so_far[-1] == result
+    finished = {(row["batch"], row["cache"]): row for row in result["rows"]}
+    for batch in (1, 2):
+        for run, partial in enumerate(so_far[(batch - 1) * 2 * len(ready):batch * 2 * len(ready)], start=1):
+            assert [row for row in partial["rows"] if row["batch"] < batch] == [
+                row for row in result["rows"] if row["batch"] < batch]
+            timed = [row for row in partial["rows"] if row["batch"] == batch and "skipped" not in row]
+            turns = [(run > turn) + (run > len(ready) + turn) for turn in range(len(ready))]
+            assert [row["cache"] for row in timed] == [label for label, done in zip(ready, turns, strict=True) if done]
+            for row, done in zip(timed, turns, strict=False):  # the timed caches are the first of `ready`
+                assert row["ms_per_token_runs"] == finished[batch, row["cache"]]["ms_per_token_runs"][:done]
     # a warm-up per cache, then each round of turns, as each starts
-    ready = {cache.label for cache in decode.DECODE_CACHES} - {row["cache"] for row in result["rows"] if
-                                                                "skipped" in row and row["batch"] == 1}
     assert heard[:len(decode.DECODE_CACHES)] == [f"prompt 40 x 1: warming up {cache.name}"
                                                  for cache in decode.DECODE_CACHES]
     assert heard[len(decode.DECODE_CACHES):len(decode.DECODE_CACHES) + 2] == [

@@ -305,14 +305,14 @@ def release_memory(device: torch.device) -> None:
 
 def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, new_tokens: int,
                  repeats: int, prefill_chunk: int | None, progress: Callable[[str], None],
-                 on_round: Callable[[list[dict]], None] = lambda _: None) -> list[dict]:
+                 on_run: Callable[[list[dict]], None] = lambda _: None) -> list[dict]:
     """Per cache: median step time over `repeats` generates of new_tokens tokens. Each cache first runs
     one untimed generate of as many tokens (warm_up); then the caches take turns run by run, with Python's garbage
     collector held off, so drift in the host's speed (runs of one cache vary by 2x on a shared host) falls on all of
     them alike.
     A cache that cannot run (unavailable here, or out of memory) gives a row that says why. `progress` hears of
-    each warm-up and each round of turns as it starts; `on_round` hears the rows of the rounds so far after every
-    round but the last."""
+    each warm-up and each round of turns as it starts; `on_run` hears the rows so far after every timed run but the
+    last, so a bench stopped inside a round keeps the caches it timed there."""
     batch, length = prompt.shape
     max_tokens = length + new_tokens
     where = {"prompt": length, "batch": batch}
@@ -333,11 +333,11 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
     try:
         for repeat in range(repeats):
             progress(f"prompt {length} x {batch}: timed round {repeat + 1}/{repeats} of {len(ready)} caches")
-            for cache in ready:
+            for turn, cache in enumerate(ready):
                 runs[cache.label].append(decode_run(model, cache.loop, cache.setup(model, batch, max_tokens),
                                                      prompt, new_tokens, prefill_chunk, cache.attention))
-            if repeat + 1 < repeats:
-                on_round(_timed_rows(model, ready, runs, prompt) + skipped)
+                if repeat + 1 < repeats or turn + 1 < len(ready):
+                    on_run(_timed_rows(model, ready, runs, prompt) + skipped)
     finally:
         if collecting:
             gc.enable()
@@ -345,22 +345,25 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
 
 
 def _timed_rows(model, ready: list[DecodeCache], runs: dict[str, list[_Run]], prompt: torch.Tensor) -> list[dict]:
-    """A row per cache from its timed runs so far."""
+    """A row per cache from its timed runs so far; a cache not yet timed has none."""
     batch, length = prompt.shape
     run_medians = {label: [statistics.median(run.steps_s) * 1e3 for run in timed] for label, timed in runs.items()}
     baseline = run_medians[ready[0].label] if ready else []
     rows = []
     for cache in ready:
         timed = runs[cache.label]
+        if not timed:
+            continue
         steps = [step for run in timed for step in run.steps_s]
         held = timed[-1].held_bytes
         rows.append({
             "prompt": length, "batch": batch, "cache": cache.label, "precision": cache.precision,
             "ms_per_token": statistics.median(steps) * 1e3, "ms_per_token_mean": statistics.mean(steps) * 1e3,
             "ms_per_token_runs": run_medians[cache.label],
-            # runs of one repeat are adjacent in time, so their ratio cancels most of the host's drift
+            # runs of one repeat are adjacent in time, so their ratio cancels most of the host's drift; in a round
+            # still running the first cache has a run that a later one does not have yet
             "paired_ratio_to_first": statistics.median(a / b for a, b in zip(run_medians[cache.label], baseline,
-                                                                              strict=True)),
+                                                                              strict=False)),
             "prefill_s": statistics.median(run.prefill_s for run in timed),
             "cache_bytes": held,
             # K/V a step reads: what the cache holds, or for an fp16 cache of unknown layout the prompt's fp16 K/V
@@ -421,7 +424,7 @@ def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, confi
     """ms/token per cache and decode loop at each prompt length and batch (see _decode_rows), on a random-weight
     fp16 Llama of `config` (Llama-3-8B's by default); every cache prefills in chunks of `prefill_chunk` tokens
     (generate's prefill_chunk_size) if given. `progress` hears what starts, as a line; `on_rows` hears the result
-    so far after each timed round and each prompt and batch, so a caller can keep what an interrupted bench
+    so far after each timed run and each prompt and batch, so a caller can keep what an interrupted bench
     measured (a row's `ms_per_token_runs` says how many rounds it has)."""
     model = decode_model(device, config or llama3_8b_like())
     config = model.config
@@ -439,7 +442,7 @@ def bench_decode(device: str, prompts=(8192, 32768), new_tokens: int = 32, confi
         for length in prompts:
             prompt = torch.randint(0, config.vocab_size, (batch, length), device=device)
             rows += _decode_rows(model, caches, prompt, new_tokens, repeats, prefill_chunk, progress,
-                                 on_round=lambda partial: on_rows(result(partial)))
+                                 on_run=lambda partial: on_rows(result(partial)))
             release_memory(prompt.device)
             on_rows(result())
     return result()
