@@ -1,6 +1,7 @@
 """`kvq bench`: kernel and decode speed, recorded as JSON and a RESULTS.md finding."""
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,14 @@ def _bench_record(kind: str, device: str, out: Path) -> tuple[dict, Path]:
     return record, out / f"{kind}-{record['timestamp'][:19].replace(':', '')}.json"
 
 
-def _keep_partial(kind: str, started: tuple[dict, Path]) -> Callable[[dict], None]:
+def _progress(kind: str) -> Callable[[str], None]:
+    """Prints a bench's progress lines on stderr, each after the seconds since the bench began, so a reader of a
+    long run sees what each warm-up and timed run costs."""
+    began = time.monotonic()
+    return lambda line: typer.echo(f"kvq bench {kind} [{time.monotonic() - began:.0f} s]: {line}", err=True)
+
+
+def _keep_partial(kind: str, started: tuple[dict, Path], progress: Callable[[str], None]) -> Callable[[dict], None]:
     """What hears a bench's rows so far: an interrupted bench keeps the rows it finished, marked incomplete (no
     finding)."""
     from kvq.store import write_json_atomic
@@ -29,7 +37,7 @@ def _keep_partial(kind: str, started: tuple[dict, Path]) -> Callable[[dict], Non
 
     def keep(partial: dict) -> None:
         write_json_atomic(path, {**record, "result": partial, "complete": False})
-        typer.echo(f"kvq bench {kind}: rows so far in {path}", err=True)
+        progress(f"rows so far in {path}")
 
     return keep
 
@@ -105,10 +113,10 @@ def bench_decode(
     lengths, sizes = (tuple(int(x) for x in floats(text)) for text in (prompts, batches))
     if min(lengths) < 1 or min(sizes) < 1:
         raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
-    started = _bench_record("decode", device, out)
+    started, progress = _bench_record("decode", device, out), _progress("decode")
     result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
-                                prefill_chunk=prefill_chunk or None, on_rows=_keep_partial("decode", started),
-                                progress=lambda line: typer.echo(f"kvq bench decode: {line}", err=True))
+                                prefill_chunk=prefill_chunk or None, on_rows=_keep_partial("decode", started, progress),
+                                progress=progress)
     _record_bench("decode", result, tables.decode_table(result), device, out, results, started)
 
 
@@ -136,8 +144,8 @@ def bench_memory(
     unknown = [name for name in chosen if name not in memory.MEMORY_CACHES]
     if unknown:
         raise KvqError(f"--caches: unknown cache {unknown[0]!r}; known: {', '.join(memory.MEMORY_CACHES)}")
-    started = _bench_record("memory", device, out)
+    started, progress = _bench_record("memory", device, out), _progress("memory")
     result = memory.bench_memory(device, context, chosen, prefill_chunk, device_memory,
-                                 on_rows=_keep_partial("memory", started),
-                                 progress=lambda line: typer.echo(f"kvq bench memory: probing {line}", err=True))
+                                 on_rows=_keep_partial("memory", started, progress),
+                                 progress=lambda line: progress(f"probing {line}"))
     _record_bench("memory", result, tables.memory_table(result), device, out, results, started)

@@ -67,6 +67,7 @@ def test_bench_decode_times_each_step_of_each_cache_and_says_why_a_row_did_not_r
 def test_an_interrupted_decode_bench_keeps_what_it_finished_marked_incomplete_and_appends_no_finding(
         tmp_path, monkeypatch):
     import json
+    import re
 
     from typer.testing import CliRunner
 
@@ -86,6 +87,8 @@ def test_an_interrupted_decode_bench_keeps_what_it_finished_marked_incomplete_an
     record = json.loads(path.read_text())
     assert record["complete"] is False and record["result"] == finished and record["bench"] == "decode"
     assert not (tmp_path / "RESULTS.md").exists()
+    # where it kept them, after the seconds since the bench began
+    assert re.search(rf"^kvq bench decode \[\d+ s\]: rows so far in {re.escape(str(path))}$", done.stderr, re.M)
 
 
 def test_floor_is_weights_and_kv_over_the_copy_rate_and_speed_is_against_the_best_fp16_row():
