@@ -28,7 +28,7 @@ def _progress(kind: str) -> Callable[[str], None]:
     return lambda line: typer.echo(f"kvq bench {kind} [{time.monotonic() - began:.0f} s]: {line}", err=True)
 
 
-def _keep_partial(kind: str, started: tuple[dict, Path], progress: Callable[[str], None]) -> Callable[[dict], None]:
+def _keep_partial(started: tuple[dict, Path], progress: Callable[[str], None]) -> Callable[[dict], None]:
     """What hears a bench's rows so far: an interrupted bench keeps the rows it finished, marked incomplete (no
     finding)."""
     from kvq.store import write_json_atomic
@@ -115,7 +115,7 @@ def bench_decode(
         raise KvqError(f"--prompts and --batches must be positive, got {prompts!r} and {batches!r}")
     started, progress = _bench_record("decode", device, out), _progress("decode")
     result = decode.bench_decode(device, lengths, new_tokens, repeats=repeats, batches=sizes, caches=chosen,
-                                prefill_chunk=prefill_chunk or None, on_rows=_keep_partial("decode", started, progress),
+                                prefill_chunk=prefill_chunk or None, on_rows=_keep_partial(started, progress),
                                 progress=progress)
     _record_bench("decode", result, tables.decode_table(result), device, out, results, started)
 
@@ -146,6 +146,6 @@ def bench_memory(
         raise KvqError(f"--caches: unknown cache {unknown[0]!r}; known: {', '.join(memory.MEMORY_CACHES)}")
     started, progress = _bench_record("memory", device, out), _progress("memory")
     result = memory.bench_memory(device, context, chosen, prefill_chunk, device_memory,
-                                 on_rows=_keep_partial("memory", started, progress),
+                                 on_rows=_keep_partial(started, progress),
                                  progress=lambda line: progress(f"probing {line}"))
     _record_bench("memory", result, tables.memory_table(result), device, out, results, started)
