@@ -50,7 +50,7 @@ def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
     for tokens in (WARM_STEPS, new_tokens + WARM_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             runs.append(decode_run(model, cache.loop, cache.setup(model, prompt.shape[0], max_tokens), prompt,
-                                   tokens, prefill_chunk, cache.attention))
+                                   tokens, prefill_chunk, cache.attention, cache.tuned_gemv))
         profiles.append(kernel_times(trace))
     (short_times, short_launches, short_busy), (long_times, long_launches, long_busy) = profiles
     steps = runs[1].steps_s[WARM_STEPS:]
@@ -73,7 +73,7 @@ def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
 
     with torch.no_grad(), decode_routing(model, kv, cache.attention):
         generate(model, prompt, kv, WARM_STEPS + new_tokens + 1, prefill_chunk=prefill_chunk, on_token=on_token,
-                 compiled=True)
+                 compiled=True, tuned_gemv=cache.tuned_gemv)
     torch.cuda.synchronize()
     trace.stop()
     steps = clock.seconds()[1][WARM_STEPS:]

@@ -89,7 +89,8 @@ def bench_decode(
                                         "kvq-mxfp4-static-compiled, kvq-mxfp4-static-step, kvq-nvfp4-static-compiled,"
                                         " kvq-nvfp4-static-step, kvq-fp8-static-compiled, kvq-fp8-static-step, "
                                         "kvq-fp8-tensor-static-compiled, kvq-fp8-tensor-static-step, "
-                                        "fp16-gqa-static-compiled, fp16-gqa-static-step (default: all)"),
+                                        "fp16-gqa-static-compiled, fp16-gqa-static-step, "
+                                        "fp16-gqa-static-step-tuned (default: all)"),
     new_tokens: int = typer.Option(32),
     repeats: int = typer.Option(9, help="timed generates per cache and prompt, the caches taking turns"),
     prefill_chunk: int = typer.Option(0, help="prefill every prompt in chunks of this many tokens "

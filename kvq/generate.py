@@ -16,10 +16,14 @@ from kvq.errors import KvqError
 from kvq.gqa_attention import GQA_SDPA_ATTENTION, gqa_sdpa
 from kvq.static_cache import StaticQuantizedCache, reading_written
 
-# gpt-fast's compile settings: a CUDA graph per step ("reduce-overhead") and coordinate-descent tuning, under
-# which inductor turns one-row matmuls (batch-1 decode's weight GEMVs) into reductions it tunes to the memory
-# bandwidth, where cuBLAS's split-K GEMVs fall short of it.
-STEP_COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+# A CUDA graph per step ("reduce-overhead"), with cuBLAS running the weight matmuls, so that every cache's step runs
+# the same model kernels and a rerun runs them again.
+STEP_COMPILE_OPTIONS = {"triton.cudagraphs": True}
+# gpt-fast's settings add coordinate-descent tuning, under which inductor turns one-row matmuls (batch-1 decode's
+# weight GEMVs) into reductions whose launch configurations it picks by timing them as it compiles. Those timings
+# need not match the kernel's time inside the step, so two compiles of one model (two caches' steps) can pick
+# configurations whose speeds differ: faster than cuBLAS's GEMVs at best, a row's speed then also measures its pick.
+TUNED_GEMV_COMPILE_OPTIONS = {**STEP_COMPILE_OPTIONS, "coordinate_descent_tuning": True}
 # Graphs the step may hold: (caches) x (prompt lengths) x (batches) x (masked or not) of one process; past
 # dynamo's default limit it would fall back to eager without saying so.
 STEP_GRAPHS = 64
@@ -84,9 +88,11 @@ def _greedy_step(model, cache, token, cache_position, positions, mask, keyword) 
 
 
 @functools.cache
-def _compiled(step):
-    # one graph per model, cache type and shape (no dynamic shapes: CUDA graphs need fixed ones)
-    return torch.compile(step, options=STEP_COMPILE_OPTIONS, fullgraph=True, dynamic=False)
+def _compiled(step, tuned_gemv: bool = False):
+    # one graph per model, cache type and shape (no dynamic shapes: CUDA graphs need fixed ones); dynamo keeps the
+    # two settings' graphs apart, since each compiles through its own backend
+    options = TUNED_GEMV_COMPILE_OPTIONS if tuned_gemv else STEP_COMPILE_OPTIONS
+    return torch.compile(step, options=options, fullgraph=True, dynamic=False)
 
 
 def _capacity(cache) -> int | None:
@@ -121,14 +127,15 @@ def left_padded(prompts: torch.Tensor | Sequence[Sequence[int] | torch.Tensor], 
 def generate(model, prompts, cache, max_new_tokens: int, *, sampling: Sampling = Sampling(),
              stop_tokens: Sequence[int] = (), pad_token_id: int = 0, prefill_chunk: int | None = None,
              on_token: Callable[[torch.Tensor], None] | None = None,
-             compiled: bool | None = None) -> list[torch.Tensor]:
+             compiled: bool | None = None, tuned_gemv: bool = False) -> list[torch.Tensor]:
     """Up to `max_new_tokens` tokens after each prompt, decoded through `cache` (a fresh or reset() cache).
 
     `prompts`: a (B, L) tensor, or B sequences of token ids of any lengths (left-padded with `pad_token_id` and
     masked). Each row stops after its first token in `stop_tokens`; the loop ends once every row has. `on_token`
     gets each step's (B, 1) tokens on the device as they are queued (a stopped row repeats `pad_token_id`).
     `compiled` (default: on CUDA) compiles the step: decode prompt after prompt with one static cache, reset()
-    between them, since each fresh cache makes the step record (and keep) another CUDA graph.
+    between them, since each fresh cache makes the step record (and keep) another CUDA graph. `tuned_gemv`
+    compiles it with gpt-fast's coordinate-descent tuning instead (TUNED_GEMV_COMPILE_OPTIONS).
     Returns each row's new tokens, through its stop token if it met one. Run it under `decode_routing` for kvq's
     caches and under torch.no_grad()."""
     device = model.device
@@ -168,7 +175,7 @@ def generate(model, prompts, cache, max_new_tokens: int, *, sampling: Sampling =
         on_token(token)
     compiled = device.type == "cuda" if compiled is None else compiled
     step = _greedy_step if sampling.greedy else _logits
-    step = _compiled(step) if compiled else step
+    step = _compiled(step, tuned_gemv) if compiled else step
     cache_position = torch.tensor([length], device=device)
     row_position = positions[:, -1:] + 1
     with torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS, fail_on_recompile_limit_hit=True):

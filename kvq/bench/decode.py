@@ -42,6 +42,7 @@ class DecodeCache:
     setup: Callable[..., dict]
     loop: str = "generate"  # "generate": HF generate; "step": kvq.generate.generate, a compiled step per token
     attention: str | None = None  # an attention implementation the row runs under (None: the model's own)
+    tuned_gemv: bool = False  # a "step" row compiled with gpt-fast's coordinate-descent tuning (kvq.generate)
 
 
 def _compiled_on_cuda(model) -> None:
@@ -153,6 +154,9 @@ DECODE_CACHES = (  # the first is the paired ratios' baseline
                 _fp16_static_compiled, attention=GQA_SDPA_ATTENTION),
     DecodeCache("fp16-gqa-static-step", "fp16 StaticCache, SDPA enable_gqa, compiled step loop", "fp16", _fp16_static,
                 loop="step", attention=GQA_SDPA_ATTENTION),
+    # and the same step compiled as gpt-fast compiles it, whose batch-1 GEMVs can run faster than the other rows'
+    DecodeCache("fp16-gqa-static-step-tuned", "fp16 StaticCache, SDPA enable_gqa, compiled step loop, tuned GEMVs",
+                "fp16", _fp16_static, loop="step", attention=GQA_SDPA_ATTENTION, tuned_gemv=True),
 )
 
 
@@ -244,10 +248,11 @@ class _Run:
 
 
 def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int,
-               prefill_chunk: int | None = None, attention: str | None = None) -> _Run:
+               prefill_chunk: int | None = None, attention: str | None = None, tuned_gemv: bool = False) -> _Run:
     """One greedy decode of `tokens` tokens through `loop` ("generate" or "step", see DecodeCache) with
     generate's keyword arguments `kwargs` (the cache), the prompt prefilled in chunks of `prefill_chunk`
-    tokens if given, under the attention implementation `attention` if named (see decode_routing)."""
+    tokens if given, under the attention implementation `attention` if named (see decode_routing), a step
+    compiled with `tuned_gemv` (see kvq.generate.generate)."""
     from transformers import LogitsProcessorList
 
     cache = kwargs.get("past_key_values")
@@ -258,7 +263,8 @@ def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int
         _synchronize(prompt.device)
         clock = StepClock(prompt.device)
         if loop == "step":
-            generate(model, prompt, cache, tokens, prefill_chunk=prefill_chunk, on_token=clock.tick, compiled=True)
+            generate(model, prompt, cache, tokens, prefill_chunk=prefill_chunk, on_token=clock.tick, compiled=True,
+                     tuned_gemv=tuned_gemv)
         else:
             model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                            min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
@@ -289,7 +295,7 @@ def warm_up(model, cache: DecodeCache, prompt: torch.Tensor, max_tokens: int, to
     allocator and kernel warm-up, and a compiled row's compilation. Raises what the row's setup or run raises."""
     kwargs = cache.setup(model, prompt.shape[0], max_tokens)
     decode_run(model, cache.loop, kwargs, warmup_prompt(prompt, prefill_chunk, kwargs), tokens, prefill_chunk,
-               cache.attention)
+               cache.attention, cache.tuned_gemv)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -335,7 +341,8 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
             progress(f"prompt {length} x {batch}: timed round {repeat + 1}/{repeats} of {len(ready)} caches")
             for turn, cache in enumerate(ready):
                 runs[cache.label].append(decode_run(model, cache.loop, cache.setup(model, batch, max_tokens),
-                                                     prompt, new_tokens, prefill_chunk, cache.attention))
+                                                     prompt, new_tokens, prefill_chunk, cache.attention,
+                                                     cache.tuned_gemv))
                 if repeat + 1 < repeats or turn + 1 < len(ready):
                     on_run(_timed_rows(model, ready, runs, prompt) + skipped)
     finally:
