@@ -49,8 +49,8 @@ def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
     profiles, runs = [], []
     for tokens in (WARM_STEPS, new_tokens + WARM_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
-            runs.append(decode_run(model, cache.loop, cache.setup(model, prompt.shape[0], max_tokens), prompt,
-                                   tokens, prefill_chunk, cache.attention, cache.tuned_gemv))
+            runs.append(decode_run(model, cache, cache.setup(model, prompt.shape[0], max_tokens), prompt, tokens,
+                                   prefill_chunk))
         profiles.append(kernel_times(trace))
     (short_times, short_launches, short_busy), (long_times, long_launches, long_busy) = profiles
     steps = runs[1].steps_s[WARM_STEPS:]

@@ -247,24 +247,23 @@ class _Run:
     peak_bytes: int | None
 
 
-def decode_run(model, loop: str, kwargs: dict, prompt: torch.Tensor, tokens: int,
-               prefill_chunk: int | None = None, attention: str | None = None, tuned_gemv: bool = False) -> _Run:
-    """One greedy decode of `tokens` tokens through `loop` ("generate" or "step", see DecodeCache) with
-    generate's keyword arguments `kwargs` (the cache), the prompt prefilled in chunks of `prefill_chunk`
-    tokens if given, under the attention implementation `attention` if named (see decode_routing), a step
-    compiled with `tuned_gemv` (see kvq.generate.generate)."""
+def decode_run(model, row: DecodeCache, kwargs: dict, prompt: torch.Tensor, tokens: int,
+               prefill_chunk: int | None = None) -> _Run:
+    """One greedy decode of `tokens` tokens as `row` decodes (its loop, attention and step compilation; see
+    DecodeCache) with generate's keyword arguments `kwargs` (the cache, from the row's setup), the prompt
+    prefilled in chunks of `prefill_chunk` tokens if given."""
     from transformers import LogitsProcessorList
 
     cache = kwargs.get("past_key_values")
     cuda = prompt.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(prompt.device)
-    with torch.no_grad(), decode_routing(model, cache, attention):
+    with torch.no_grad(), decode_routing(model, cache, row.attention):
         _synchronize(prompt.device)
         clock = StepClock(prompt.device)
-        if loop == "step":
+        if row.loop == "step":
             generate(model, prompt, cache, tokens, prefill_chunk=prefill_chunk, on_token=clock.tick, compiled=True,
-                     tuned_gemv=tuned_gemv)
+                     tuned_gemv=row.tuned_gemv)
         else:
             model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                            min_new_tokens=tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
@@ -294,8 +293,7 @@ def warm_up(model, cache: DecodeCache, prompt: torch.Tensor, max_tokens: int, to
     """One untimed decode of `tokens` tokens through a fresh `cache` row of `max_tokens` tokens, from warmup_prompt:
     allocator and kernel warm-up, and a compiled row's compilation. Raises what the row's setup or run raises."""
     kwargs = cache.setup(model, prompt.shape[0], max_tokens)
-    decode_run(model, cache.loop, kwargs, warmup_prompt(prompt, prefill_chunk, kwargs), tokens, prefill_chunk,
-               cache.attention, cache.tuned_gemv)
+    decode_run(model, cache, kwargs, warmup_prompt(prompt, prefill_chunk, kwargs), tokens, prefill_chunk)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -340,9 +338,8 @@ def _decode_rows(model, caches: tuple[DecodeCache, ...], prompt: torch.Tensor, n
         for repeat in range(repeats):
             progress(f"prompt {length} x {batch}: timed round {repeat + 1}/{repeats} of {len(ready)} caches")
             for turn, cache in enumerate(ready):
-                runs[cache.label].append(decode_run(model, cache.loop, cache.setup(model, batch, max_tokens),
-                                                     prompt, new_tokens, prefill_chunk, cache.attention,
-                                                     cache.tuned_gemv))
+                runs[cache.label].append(decode_run(model, cache, cache.setup(model, batch, max_tokens), prompt,
+                                                     new_tokens, prefill_chunk))
                 if repeat + 1 < repeats or turn + 1 < len(ready):
                     on_run(_timed_rows(model, ready, runs, prompt) + skipped)
     finally:
