@@ -88,9 +88,10 @@ def _greedy_step(model, cache, token, cache_position, positions, mask, keyword) 
 
 
 @functools.cache
-def _compiled(step, tuned_gemv: bool = False):
+def _compiled(step, tuned_gemv: bool):
     # one graph per model, cache type and shape (no dynamic shapes: CUDA graphs need fixed ones); dynamo keeps the
-    # two settings' graphs apart, since each compiles through its own backend
+    # two settings' graphs apart, since each compiles through its own backend. No default for tuned_gemv: the cache
+    # would key _compiled(step) and _compiled(step, False) apart, two backends compiling the same graphs.
     options = TUNED_GEMV_COMPILE_OPTIONS if tuned_gemv else STEP_COMPILE_OPTIONS
     return torch.compile(step, options=options, fullgraph=True, dynamic=False)
 
