@@ -22,7 +22,8 @@ STEP_COMPILE_OPTIONS = {"triton.cudagraphs": True}
 # gpt-fast's settings add coordinate-descent tuning, under which inductor turns one-row matmuls (batch-1 decode's
 # weight GEMVs) into reductions whose launch configurations it picks by timing them as it compiles. Those timings
 # need not match the kernel's time inside the step, so two compiles of one model (two caches' steps) can pick
-# configurations whose speeds differ: faster than cuBLAS's GEMVs at best, a row's speed then also measures its pick.
+# configurations whose speeds differ: at best faster than cuBLAS's GEMVs, but a row's speed then also measures
+# which configurations its compile picked.
 TUNED_GEMV_COMPILE_OPTIONS = {**STEP_COMPILE_OPTIONS, "coordinate_descent_tuning": True}
 # Graphs the step may hold: (caches) x (prompt lengths) x (batches) x (masked or not) of one process; past
 # dynamo's default limit it would fall back to eager without saying so.
