@@ -20,7 +20,7 @@ from kvq.kernels.step import DecodeStep, PackedKV, decode_attention_reference, d
 from kvq.quant import fp8, ggml, mlx_affine, mx, nvfp4
 from kvq.quant.base import Packed, Quantizer
 from kvq.quant.codebooks import decode_unit_vector, encode_unit_vector
-from kvq.quant.layout import NVFP4_SCHEME, SIGNED_ROTATIONS, PackedForm, PackedLayout, group_scales
+from kvq.quant.layout import E4M3_STATS, NVFP4_SCHEME, SIGNED_ROTATIONS, PackedForm, PackedLayout, group_scales
 from kvq.quant.packing import pack, unpack
 from kvq.quant.rotated import RotatedPacked
 from kvq.quant.scalar import SCALE_DTYPES, ScalarQuantizer
@@ -169,6 +169,61 @@ for _device in ("cuda", "mps"):
     _dequantize.register_kernel(_device)(_kernel_dequantize)
 
 
+@torch.library.custom_op("kvq::write_rows", mutates_args=("codes", "scales", "ring"))
+def _write_rows(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, bits: int, group_size: int,
+                scale_dtype: torch.dtype | None, symmetric: bool, rotation_kind: str, codebook: torch.Tensor | None,
+                scheme: str, layer_scale: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor,
+                ring: torch.Tensor, length: torch.Tensor) -> None:
+    """rows (B, H, T, d) -> their codes and stats, in the layout of one stats row per token these arguments name (as
+    kvq::quantize's), at positions length + 0..T-1 of codes (B, H, capacity, code_bytes) and scales
+    (B, H, capacity, stats); the last `window` of them exact into ring (B, H, window, d) at those positions modulo
+    `window`. length: a 0-d int64 tensor. On CUDA one kernel writes the layouts the shared body writes."""
+    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, 1, codebook is not None,
+                     scheme, layer_scale is not None)
+    write_rows_through_quantize(rows, rotation, lam, layout, codebook, layer_scale, codes, scales, ring, length)
+
+
+@_write_rows.register_fake
+def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, codebook, scheme, layer_scale,
+      codes, scales, ring, length):
+    return None
+
+
+@_write_rows.register_kernel("cuda")
+def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, codebook, scheme, layer_scale,
+      codes, scales, ring, length):
+    from kvq.kernels.dispatch import kernel_write_rows
+
+    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, 1, codebook is not None,
+                     scheme, layer_scale is not None)
+    if not kernel_write_rows(rows, rotation, lam, layout, codebook, codes, scales, ring, length):
+        write_rows_through_quantize(rows, rotation, lam, layout, codebook, layer_scale, codes, scales, ring, length)
+
+
+def write_rows_through_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
+                                layout: PackedLayout, codebook: torch.Tensor | None, layer_scale: torch.Tensor | None,
+                                codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor,
+                                length: torch.Tensor) -> None:
+    """kvq::write_rows as kvq::quantize (its kernel or the reference, as the device has them) and three copies: what
+    the op runs wherever its own kernel does not serve, and what that kernel must write bit for bit."""
+    tokens, window = rows.shape[-2], ring.shape[-2]
+    written, stats = torch.ops.kvq.quantize(rows.reshape(-1, layout.head_dim), rotation, lam, layout.bits,
+                                            layout.group_size, layout.scale_dtype, layout.symmetric, layout.rotation,
+                                            1, codebook, layout.scheme, layer_scale)
+    positions = length + torch.arange(tokens, device=rows.device)
+    codes.index_copy_(2, positions, written.view(*rows.shape[:-1], layout.code_bytes))
+    copy_rows(scales, positions, stats.view(*rows.shape[:-1], layout.stats))
+    recent = min(tokens, window)
+    ring.index_copy_(2, positions[tokens - recent:] % window, rows[..., tokens - recent:, :])
+
+
+def copy_rows(buffer: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    """buffer.index_copy_ along the tokens (dim 2); E4M3 stats as their bytes (torch has no float8 index_copy)."""
+    if buffer.dtype == E4M3_STATS:
+        buffer, rows = buffer.view(torch.uint8), rows.view(torch.uint8)
+    buffer.index_copy_(2, positions, rows)
+
+
 @torch.library.custom_op("kvq::decode_attention", mutates_args=())
 def _decode_attention(query: torch.Tensor, query_map: torch.Tensor, key_codes: torch.Tensor,
                       key_scales: torch.Tensor, value_codes: torch.Tensor, value_scales: torch.Tensor,
@@ -241,6 +296,18 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtyp
                                     form.rotation_input, form.lam, layout.bits, dtype, layout.symmetric,
                                     layout.rotation, layout.token_group, form.codebook, form.layer_scale)
     return rows.view(*codes.shape[:-1], layout.head_dim)
+
+
+def write_rows(rows: torch.Tensor, form: PackedForm, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor,
+               length: torch.Tensor) -> None:
+    """rows (B, H, T, d) quantized in form.layout (stats per token) into positions length + 0..T-1 of codes and
+    scales (B, H, capacity, .), the last `window` of them exact into ring (B, H, window, d); `length` a 0-d int64
+    tensor on the rows' device, so a compiled step writes where the cache's count says without a host read."""
+    form = _calibrated(form.on(rows.device))
+    layout = form.layout
+    torch.ops.kvq.write_rows(rows, form.rotation_input, form.lam, layout.bits, layout.group_size, layout.scale_dtype,
+                             layout.symmetric, layout.rotation, form.codebook, layout.scheme, form.layer_scale, codes,
+                             scales, ring, length)
 
 
 def _calibrated(form: PackedForm) -> PackedForm:
@@ -338,5 +405,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DecodeStep", "PackedKV", "decode", "decode_attention", "decode_graph", "dequantize", "device_lengths",
-           "encode", "kernel_builds", "metered_encode", "packed_codes", "packed_read_bytes", "quantize", "roundtrip"]
+__all__ = ["DecodeStep", "PackedKV", "copy_rows", "decode", "decode_attention", "decode_graph", "dequantize",
+           "device_lengths", "encode", "kernel_builds", "metered_encode", "packed_codes", "packed_read_bytes",
+           "quantize", "roundtrip", "write_rows"]

@@ -2,7 +2,7 @@
 
 Every full-attention layer holds its K and V as codes and scales in its quantizers' PackedLayout for
 `max_cache_len` tokens, and the newest `window` tokens also exact, in a ring of `window` rows. Each token is
-quantized as it is written (kvq.ops.quantize, no fp16 copy of the prompt kept), so a step has no flush to
+quantized as it is written (kvq.ops.write_rows, no fp16 copy of the prompt kept), so a step has no flush to
 branch on: attention reads the codes of positions before n - window and the ring's exact rows of the last
 window positions, n being the tokens written, and a prompt attends to itself exactly: kvq.protocol's
 Protocol(window, exact_prefill=True), the papers' generation protocol. Under `fused_decoding` a one-token step
@@ -37,7 +37,7 @@ from kvq.cache import DomainMaps, held_bytes
 from kvq.center import check_fitted
 from kvq.errors import KvqError
 from kvq.quant.exact import Exact
-from kvq.quant.layout import E4M3_STATS, PackedForm
+from kvq.quant.layout import PackedForm
 
 ROLES = ("k", "v")
 
@@ -238,12 +238,11 @@ class StaticQuantizedLayer(StaticKVLayer):
             if self.forms[role].layout.layer_scaled and self.forms[role].layer_scale is None:
                 self._calibrate(role, states)
             if self.forms[role].layout.token_group == 1:
-                codes, scales = ops.quantize(states, self.forms[role])
-                self.packed[role].codes.index_copy_(2, written, codes)
-                _copy_rows(self.packed[role].scales, written, scales)
+                ops.write_rows(states, self.forms[role], self.packed[role].codes, self.packed[role].scales,
+                           self.ring[role], self.length)
             else:
                 self._write_groups(role, states)
-            self.ring[role].index_copy_(2, written[new - recent:] % self.window, states[..., new - recent:, :])
+                self.ring[role].index_copy_(2, written[new - recent:] % self.window, states[..., new - recent:, :])
         self.length.add_(new)
         window = self.length.clamp(max=self.window)
         self.counts.copy_(((self.length - window) << 32 | window).reshape(1))
@@ -278,7 +277,8 @@ class StaticQuantizedLayer(StaticKVLayer):
         rows = torch.where((positions < self.length).view(-1, 1), earlier, fresh)
         codes, scales = ops.quantize(rows, self.forms[role])
         self.packed[role].codes.index_copy_(2, positions, codes)
-        _copy_rows(self.packed[role].scales, start // group + torch.arange(span // group, device=self.device), scales)
+        groups = start // group + torch.arange(span // group, device=self.device)
+        ops.copy_rows(self.packed[role].scales, groups, scales)
 
     def attention_ready(self, role: str, visible: int) -> torch.Tensor:
         """(B, H, visible, d): the leading positions' codes dequantized, the window's positions exact from the
@@ -324,13 +324,6 @@ def reading_written(cache) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.written_only = False
-
-
-def _copy_rows(buffer: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
-    """buffer.index_copy_ along the tokens; E4M3 stats as their bytes (torch has no float8 index_copy)."""
-    if buffer.dtype == E4M3_STATS:
-        buffer, rows = buffer.view(torch.uint8), rows.view(torch.uint8)
-    buffer.index_copy_(2, positions, rows)
 
 
 def unheld_reason(bank: QuantizerBank, layer: int) -> str | None:

@@ -147,6 +147,17 @@ class CudaBackend(KernelBackend):
         tail = [n, prefetch_ahead(kernel, args[0].device)] if name == "kvq_quantize" else [n]
         kernel(-(-n // kernel.threads), [*args, *tail])
 
+    def write_rows(self, layout: PackedLayout, constants: KernelConstants, rows: torch.Tensor, codes: torch.Tensor,
+                   scales: torch.Tensor, ring: torch.Tensor, length: torch.Tensor) -> None:
+        """rows (heads, T, d), 16-byte aligned, quantized into positions length + 0..T-1 of each head's rows of codes
+        (heads, capacity, code_bytes) and stats (heads, capacity, stats), the last `window` of them copied exact into
+        the ring (heads, window, d) at those positions modulo `window`: csrc/entry_cuda.cu's kvq_write_rows."""
+        heads, tokens = rows.shape[:2]
+        n = heads * tokens
+        kernel = _cuda_kernel(kernel_defines(layout), rows.dtype, torch.float32, "kvq_write_rows", rows.device)
+        kernel(-(-n // kernel.threads), [rows, *constants.arguments(rows.dtype, reciprocal=False), codes, scales, ring,
+                                         length, n, tokens, codes.shape[1], ring.shape[1]])
+
 
 @lru_cache(maxsize=64)
 def _metal_library(defines: tuple, in_dtype: torch.dtype, out_dtype: torch.dtype):

@@ -1,6 +1,7 @@
-"""kvq.ops' quantize and dequantize on an accelerator: the kernel that writes or reads a layout (the shared body's
-build for the device, Triton's for stats spanning tokens and float formats on CUDA), else the torch reference,
-logged once with the reason. Imported on an accelerator only, so that a CPU cell's code digest leaves it out."""
+"""kvq.ops' quantize, dequantize and write_rows on an accelerator: the kernel that writes or reads a layout (the
+shared body's build for the device, Triton's for stats spanning tokens and float formats on CUDA), else the torch
+reference, logged once with the reason. Imported on an accelerator only, so that a CPU cell's code digest leaves it
+out."""
 
 import torch
 
@@ -38,3 +39,22 @@ def kernel_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch
         return reference_dequantize(codes, scales, rotation, lam, layout, dtype, codebook, layer_scale)
     return backend_for(codes.device).dequantize(layout, kernel_constants(rotation, lam, codebook), codes.contiguous(),
                                                 scales.contiguous(), dtype)
+
+
+def kernel_write_rows(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, layout: PackedLayout,
+                      codebook: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor,
+                      length: torch.Tensor) -> bool:
+    """kvq::write_rows on CUDA in one launch where the shared body's build writes the layout (True); False where it
+    does not, and kvq.ops.write_rows_through_quantize writes instead."""
+    batch, heads, tokens, d = rows.shape
+    fits = (rows.is_cuda and layout.scheme == "kvq" and layout.element is None and not layout.layer_scaled
+            and unsupported_reason(layout) is None and rows.dtype == ring.dtype
+            and all(t.is_contiguous() for t in (codes, scales, ring))
+            and batch * heads * codes.shape[2] < 1 << 32)  # the kernel's slot of a row is 32-bit
+    if fits:
+        rows = rows.reshape(batch * heads, tokens, d).contiguous()
+        if rows.data_ptr() % 16:  # the kernel reads rows as 16-byte chunks
+            rows = rows.clone()
+        backend_for(rows.device).write_rows(layout, kernel_constants(rotation, lam, codebook), rows,
+                                            *(t.flatten(0, 1) for t in (codes, scales, ring)), length)
+    return fits

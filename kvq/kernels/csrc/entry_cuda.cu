@@ -126,3 +126,25 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_dequantize(
                         0, vec);
 #endif
 }
+
+// A static cache's write (kvq.static_write): row r = head * tokens + t of (heads, tokens) new rows is quantized into
+// position length[0] + t of its head's `capacity` rows of codes and stats, and, where it is among the last `window`
+// of its head's new rows, copied exact into its head's ring of `window` rows at that position modulo `window`. The
+// position is read on the device, so one launch sequence, captured once, writes every decode step. One thread per
+// row, read in place: a decode step writes one row per head, far too few to stage.
+extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_write_rows(
+    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, const float* midpoints, uchar* codes,
+    KVQ_SCALE_T* scales, KVQ_IN_T* ring, const long long* length, uint n, uint tokens, uint capacity, uint window) {
+    uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x;
+    if (vec >= n) return;
+    uint head = vec / tokens, t = vec % tokens;
+    kvq_index position = (kvq_index)length[0] + t;
+    kvq_index slot = (kvq_index)head * capacity + position;
+    const uint4* row = (const uint4*)(x + (kvq_index)vec * KVQ_D);
+    kvq_quantize_body(row, 0, sign_words, lam, has_lam, midpoints, (uint*)(codes + slot * KVQ_CODE_BYTES), 0, scales,
+                      (uint)slot);
+    if (t + window >= tokens) {
+        uint4* exact = (uint4*)(ring + ((kvq_index)head * window + position % window) * KVQ_D);
+        KVQ_UNROLL for (uint c = 0; c < KVQ_IN_CHUNKS; ++c) exact[c] = row[c];
+    }
+}
