@@ -1,10 +1,12 @@
-"""The one door to kvq's kernels: quantize rows into a PackedLayout, dequantize them, and attend from packed K/V.
+"""The one door to kvq's kernels: quantize rows into a PackedLayout, dequantize them, write them into a static
+cache's buffers, and attend from packed K/V.
 
-Each is a torch.library custom op (kvq::quantize, kvq::dequantize, kvq::decode_attention) with a fake
-implementation, so torch.compile traces through them, and an implementation per device: the fused kernels
+Each is a torch.library custom op (kvq::quantize, kvq::dequantize, kvq::write_rows, kvq::decode_attention) with a
+fake implementation, so torch.compile traces through them, and an implementation per device: the fused kernels
 on CUDA (and Metal for quantize/dequantize) where they cover the layout, the torch reference elsewhere and
 for every layout they do not (logged once, with the reason, under the "kvq.kernels" logger). The
-reference is the quantizers' own arithmetic, so kernel and reference agree on every device.
+reference is the quantizers' own arithmetic, so kernel and reference agree on every device. kvq::write_rows is
+kvq::quantize and index copies wherever its own kernel does not serve, so what it logs is quantize's.
 
 encode / decode take a quantizer: they go through the ops when it declares a PackedForm, and through the
 quantizer's own encode / decode when it does not.
