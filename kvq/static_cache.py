@@ -239,7 +239,7 @@ class StaticQuantizedLayer(StaticKVLayer):
                 self._calibrate(role, states)
             if self.forms[role].layout.token_group == 1:
                 ops.write_rows(states, self.forms[role], self.packed[role].codes, self.packed[role].scales,
-                           self.ring[role], self.length)
+                               self.ring[role], self.length)
             else:
                 self._write_groups(role, states)
                 self.ring[role].index_copy_(2, written[new - recent:] % self.window, states[..., new - recent:, :])

@@ -127,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_dequantize(
 #endif
 }
 
-// A static cache's write (kvq.static_write): row r = head * tokens + t of (heads, tokens) new rows is quantized into
+// A static cache's write (kvq.ops.write_rows): row r = head * tokens + t of (heads, tokens) new rows is quantized into
 // position length[0] + t of its head's `capacity` rows of codes and stats, and, where it is among the last `window`
 // of its head's new rows, copied exact into its head's ring of `window` rows at that position modulo `window`. The
 // position is read on the device, so one launch sequence, captured once, writes every decode step. One thread per
