@@ -10,11 +10,13 @@ from kvq.apply import KVGeometry, QuantizerBank
 from kvq.quant import QuantSpec
 
 CAPACITY, WINDOW = 40, 8
-SPECS = {"srft4-g32": QuantSpec("srft", 4, "per_group", 32), "srht2-asym": QuantSpec("srht", 2, "per_group", 32, False),
-         "int8-token": QuantSpec("int", 8), "srft3-g16-fp16": QuantSpec("srft", 3, "per_group", 16,
-                                                                        scale_dtype="float16"),
-         "turbo3": QuantSpec("turbo", 3), "turbo4": QuantSpec("turbo", 4), "mxfp4": QuantSpec("mx"),
-         "fp8-token": QuantSpec("fp8", options={"scale": "token"})}
+# layouts kvq_write_rows writes on CUDA, and layouts their quantize writes there (engine formats)
+KERNEL_WRITES = {"srft4-g32": QuantSpec("srft", 4, "per_group", 32),
+                 "srht2-asym": QuantSpec("srht", 2, "per_group", 32, False), "int8-token": QuantSpec("int", 8),
+                 "srft3-g16-fp16": QuantSpec("srft", 3, "per_group", 16, scale_dtype="float16"),
+                 "turbo3": QuantSpec("turbo", 3), "turbo4": QuantSpec("turbo", 4)}
+QUANTIZE_WRITES = {"mxfp4": QuantSpec("mx"), "fp8-token": QuantSpec("fp8", options={"scale": "token"})}
+SPECS = {**KERNEL_WRITES, **QUANTIZE_WRITES}
 
 
 def _form(spec: QuantSpec, device: str, d: int = 128):
@@ -57,8 +59,7 @@ def test_rows_land_at_the_positions_the_length_names_and_the_newest_window_in_th
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens, start", [(1, 0), (1, 29), (13, 3), (CAPACITY - 1, 1)])
-@pytest.mark.parametrize("spec", [s for name, s in SPECS.items() if name not in ("mxfp4", "fp8-token")],
-                         ids=[name for name in SPECS if name not in ("mxfp4", "fp8-token")])
+@pytest.mark.parametrize("spec", KERNEL_WRITES.values(), ids=KERNEL_WRITES.keys())
 def test_the_cuda_kernel_writes_what_the_reference_writes(spec, tokens, start, dtype):
     from kvq.kernels.dispatch import kernel_write_rows
 
@@ -77,7 +78,7 @@ def test_the_cuda_kernel_writes_what_the_reference_writes(spec, tokens, start, d
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", [SPECS["mxfp4"], SPECS["fp8-token"]], ids=["mxfp4", "fp8-token"])
+@pytest.mark.parametrize("spec", QUANTIZE_WRITES.values(), ids=QUANTIZE_WRITES.keys())
 def test_layouts_the_kernel_does_not_write_are_written_by_their_quantize_on_cuda(spec):
     from kvq.kernels.dispatch import kernel_write_rows
 
