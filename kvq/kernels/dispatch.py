@@ -15,8 +15,7 @@ def kernel_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tenso
                     codebook: torch.Tensor | None,
                     layer_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """kvq::quantize's (n, d) rows -> codes and stats in `layout`, on the rows' accelerator."""
-    scheme = layout.scheme
-    reason = unsupported_reason(layout) if scheme == "kvq" else f"the {scheme} scheme's arithmetic has no kernel"
+    reason = _body_reason(layout)
     if (layout.token_group > 1 or layout.element is not None) and rows.is_cuda:
         from kvq.kernels import triton_quantize  # imported on CUDA only, as decode attention's kernels are
 
@@ -47,8 +46,7 @@ def kernel_write_rows(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Ten
     """kvq::write_rows on CUDA in one launch where the shared body's build writes the layout (True); False where it
     does not, and kvq.ops.write_rows_through_quantize writes instead."""
     batch, heads, tokens, d = rows.shape
-    fits = (rows.is_cuda and layout.scheme == "kvq" and layout.element is None and not layout.layer_scaled
-            and unsupported_reason(layout) is None and rows.dtype == ring.dtype
+    fits = (rows.is_cuda and _body_reason(layout) is None and rows.dtype == ring.dtype
             and all(t.is_contiguous() for t in (codes, scales, ring))
             and batch * heads * codes.shape[2] < 1 << 32)  # the kernel's slot of a row is 32-bit
     if fits:
@@ -58,3 +56,13 @@ def kernel_write_rows(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Ten
         backend_for(rows.device).write_rows(layout, kernel_constants(rotation, lam, codebook), rows,
                                             *(t.flatten(0, 1) for t in (codes, scales, ring)), length)
     return fits
+
+
+def _body_reason(layout: PackedLayout) -> str | None:
+    """None when the shared kernel body's build writes `layout` exactly (its arithmetic is scheme kvq's, with no
+    scale of the layer's), else why not."""
+    if layout.scheme != "kvq":
+        return f"the {layout.scheme} scheme's arithmetic has no kernel"
+    if layout.layer_scaled:
+        return "the shared kernel body applies no scale of the layer's"
+    return unsupported_reason(layout)
