@@ -234,15 +234,21 @@ class StaticQuantizedLayer(StaticKVLayer):
             key_states = key_states - self.key_offset
         new = key_states.shape[-2]
         recent = min(new, self.window)
-        for role, states in zip(ROLES, (key_states, value_states), strict=True):
+        rows = dict(zip(ROLES, (key_states, value_states), strict=True))
+        for role in ROLES:
             if self.forms[role].layout.layer_scaled and self.forms[role].layer_scale is None:
-                self._calibrate(role, states)
-            if self.forms[role].layout.token_group == 1:
-                ops.write_rows(states, self.forms[role], self.packed[role].codes, self.packed[role].scales,
-                               self.ring[role], self.length)
-            else:
-                self._write_groups(role, states)
-                self.ring[role].index_copy_(2, written[new - recent:] % self.window, states[..., new - recent:, :])
+                self._calibrate(role, rows[role])
+        per_token = [role for role in ROLES if self.forms[role].layout.token_group == 1]
+        # K and V in one write where they share a layout: on CUDA one kernel then writes both
+        shared = len({self.forms[role].layout for role in per_token}) == 1
+        for roles in [per_token] if shared else [[role] for role in per_token]:
+            ops.write_rows([rows[role] for role in roles], [self.forms[role] for role in roles],
+                           [self.packed[role].codes for role in roles], [self.packed[role].scales for role in roles],
+                           [self.ring[role] for role in roles], self.length)
+        for role in ROLES:
+            if role not in per_token:
+                self._write_groups(role, rows[role])
+                self.ring[role].index_copy_(2, written[new - recent:] % self.window, rows[role][..., new - recent:, :])
         self.length.add_(new)
         window = self.length.clamp(max=self.window)
         self.counts.copy_(((self.length - window) << 32 | window).reshape(1))
