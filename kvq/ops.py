@@ -327,7 +327,9 @@ def write_rows(rows: Sequence[torch.Tensor], forms: Sequence[PackedForm], codes:
     kernel then writes both."""
     forms = [_calibrated(form.on(role_rows.device)) for form, role_rows in zip(forms, rows, strict=True)]
     layout = forms[0].layout
-    if any(form.layout != layout for form in forms):
+    # checked eagerly only: traced, a layout's fields may be symbolic ints, which dynamo cannot compare as a
+    # dataclass's; the static cache groups its roles by layout once, when it is built
+    if not torch.compiler.is_compiling() and any(form.layout != layout for form in forms):
         raise ValueError("write_rows takes roles of one layout: write each layout's roles in a call of its own")
     torch.ops.kvq.write_rows(list(rows), [form.rotation_input for form in forms], [form.lam for form in forms],
                              layout.bits, layout.group_size, layout.scale_dtype, layout.symmetric, layout.rotation,
