@@ -19,8 +19,7 @@ class KernelBackend:
 
     def quantize(self, layout: PackedLayout, constants: KernelConstants,
                  rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if rows.data_ptr() % 16:  # the kernel reads rows as 16-byte chunks
-            rows = rows.clone()
+        rows = _chunk_aligned(rows)
         n = rows.shape[0]
         codes = torch.empty(n, layout.code_bytes, dtype=torch.uint8, device=rows.device)
         scales = torch.empty(n, layout.stats, dtype=layout.scale_dtype, device=rows.device)
@@ -41,6 +40,11 @@ class KernelBackend:
     def _launch(self, layout: PackedLayout, name: str, dtypes: tuple, n: int, args: list) -> None:
         """dtypes: (input, output) element types of the build."""
         raise NotImplementedError
+
+
+def _chunk_aligned(rows: torch.Tensor) -> torch.Tensor:
+    """rows, or a copy of them where they do not start on 16 bytes: the kernels read rows as 16-byte chunks."""
+    return rows.clone() if rows.data_ptr() % 16 else rows
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -167,10 +171,11 @@ class CudaBackend(KernelBackend):
     def write_rows(self, layout: PackedLayout, constants: list[KernelConstants], rows: list[torch.Tensor],
                    codes: list[torch.Tensor], scales: list[torch.Tensor], rings: list[torch.Tensor],
                    length: torch.Tensor) -> None:
-        """Each role's rows (heads, T, d), 16-byte aligned, quantized with its constants into positions length +
+        """Each role's rows (heads, T, d) quantized with its constants into positions length +
         0..T-1 of its heads' rows of codes (heads, capacity, code_bytes) and stats (heads, capacity, stats), the last
         `window` of them copied exact into its ring (heads, window, d) at those positions modulo `window`: every role
         in one launch of csrc/entry_cuda.cu's kvq_write_rows."""
+        rows = [_chunk_aligned(role_rows) for role_rows in rows]  # held until the launch is queued
         heads, tokens = rows[0].shape[:2]
         n = heads * tokens
         kernel = _cuda_kernel(kernel_defines(layout), rows[0].dtype, torch.float32, "kvq_write_rows", rows[0].device)

@@ -53,13 +53,10 @@ def kernel_write_rows(rows: list[torch.Tensor], rotations: list[torch.Tensor], l
             and all(t.is_contiguous() for t in (*codes, *scales, *rings))
             and batch * heads * codes[0].shape[2] < 1 << 32)  # the kernel's slot of a row is 32-bit
     if fits:
-        flat = []
-        for role in rows:
-            role = role.reshape(batch * heads, tokens, d).contiguous()
-            flat.append(role.clone() if role.data_ptr() % 16 else role)  # the kernel reads rows as 16-byte chunks
         backend_for(rows[0].device).write_rows(
             layout, [kernel_constants(*constants) for constants in zip(rotations, lams, codebooks, strict=True)],
-            flat, *([t.flatten(0, 1) for t in buffers] for buffers in (codes, scales, rings)), length)
+            [role.reshape(batch * heads, tokens, d).contiguous() for role in rows],
+            *([t.flatten(0, 1) for t in buffers] for buffers in (codes, scales, rings)), length)
     return fits
 
 
