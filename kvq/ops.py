@@ -12,6 +12,7 @@ encode / decode take a quantizer: they go through the ops when it declares a Pac
 quantizer's own encode / decode when it does not.
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -171,35 +172,52 @@ for _device in ("cuda", "mps"):
     _dequantize.register_kernel(_device)(_kernel_dequantize)
 
 
-@torch.library.custom_op("kvq::write_rows", mutates_args=("codes", "scales", "ring"))
-def _write_rows(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, bits: int, group_size: int,
-                scale_dtype: torch.dtype | None, symmetric: bool, rotation_kind: str, codebook: torch.Tensor | None,
-                scheme: str, layer_scale: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor,
-                ring: torch.Tensor, length: torch.Tensor) -> None:
-    """rows (B, H, T, d) -> their codes and stats, in the layout of one stats row per token these arguments name (as
-    kvq::quantize's), at positions length + 0..T-1 of codes (B, H, capacity, code_bytes) and scales
-    (B, H, capacity, stats); the last `window` of them exact into ring (B, H, window, d) at those positions modulo
-    `window`. length: a 0-d int64 tensor. On CUDA one kernel writes the layouts the shared body writes."""
-    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, 1, codebook is not None,
-                     scheme, layer_scale is not None)
-    write_rows_through_quantize(rows, rotation, lam, layout, codebook, layer_scale, codes, scales, ring, length)
+@torch.library.custom_op("kvq::write_rows", mutates_args=("codes", "scales", "rings"))
+def _write_rows(rows: list[torch.Tensor], rotations: list[torch.Tensor], lams: list[torch.Tensor | None], bits: int,
+                group_size: int, scale_dtype: torch.dtype | None, symmetric: bool, rotation_kind: str,
+                codebooks: list[torch.Tensor | None], scheme: str, layer_scales: list[torch.Tensor | None],
+                codes: list[torch.Tensor], scales: list[torch.Tensor], rings: list[torch.Tensor],
+                length: torch.Tensor) -> None:
+    """Each role's rows (B, H, T, d) -> their codes and stats, in the layout of one stats row per token these
+    arguments name (as kvq::quantize's; the roles' own rotation, lambda, codebook and layer scale), at positions
+    length + 0..T-1 of that role's codes (B, H, capacity, code_bytes) and scales (B, H, capacity, stats); the last
+    `window` of them exact into its ring (B, H, window, d) at those positions modulo `window`. length: a 0-d int64
+    tensor. On CUDA one kernel writes every role of the layouts the shared body writes."""
+    layout = _written_layout(rows, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme,
+                             layer_scales)
+    _write_each_through_quantize(layout, rows, rotations, lams, codebooks, layer_scales, codes, scales, rings, length)
 
 
 @_write_rows.register_fake
-def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, codebook, scheme, layer_scale,
-      codes, scales, ring, length):
+def _(rows, rotations, lams, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme, layer_scales,
+      codes, scales, rings, length):
     return None
 
 
 @_write_rows.register_kernel("cuda")
-def _(rows, rotation, lam, bits, group_size, scale_dtype, symmetric, rotation_kind, codebook, scheme, layer_scale,
-      codes, scales, ring, length):
+def _(rows, rotations, lams, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme, layer_scales,
+      codes, scales, rings, length):
     from kvq.kernels.dispatch import kernel_write_rows
 
-    layout = _layout(rows.shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, 1, codebook is not None,
-                     scheme, layer_scale is not None)
-    if not kernel_write_rows(rows, rotation, lam, layout, codebook, codes, scales, ring, length):
-        write_rows_through_quantize(rows, rotation, lam, layout, codebook, layer_scale, codes, scales, ring, length)
+    layout = _written_layout(rows, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme,
+                             layer_scales)
+    if not kernel_write_rows(rows, rotations, lams, layout, codebooks, codes, scales, rings, length):
+        _write_each_through_quantize(layout, rows, rotations, lams, codebooks, layer_scales, codes, scales, rings,
+                                     length)
+
+
+def _written_layout(rows, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme,
+                    layer_scales) -> PackedLayout:
+    return _layout(rows[0].shape[-1], bits, group_size, scale_dtype, symmetric, rotation_kind, 1,
+                   codebooks[0] is not None, scheme, layer_scales[0] is not None)
+
+
+def _write_each_through_quantize(layout: PackedLayout, rows, rotations, lams, codebooks, layer_scales, codes, scales,
+                                 rings, length: torch.Tensor) -> None:
+    for role in zip(rows, rotations, lams, codebooks, layer_scales, codes, scales, rings, strict=True):
+        role_rows, rotation, lam, codebook, layer_scale, role_codes, role_scales, ring = role
+        write_rows_through_quantize(role_rows, rotation, lam, layout, codebook, layer_scale, role_codes, role_scales,
+                                    ring, length)
 
 
 def write_rows_through_quantize(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None,
@@ -300,16 +318,23 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtyp
     return rows.view(*codes.shape[:-1], layout.head_dim)
 
 
-def write_rows(rows: torch.Tensor, form: PackedForm, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor,
-               length: torch.Tensor) -> None:
-    """rows (B, H, T, d) quantized in form.layout (stats per token) into positions length + 0..T-1 of codes and
-    scales (B, H, capacity, .), the last `window` of them exact into ring (B, H, window, d); `length` a 0-d int64
-    tensor on the rows' device, so a compiled step writes where the cache's count says without a host read."""
-    form = _calibrated(form.on(rows.device))
-    layout = form.layout
-    torch.ops.kvq.write_rows(rows, form.rotation_input, form.lam, layout.bits, layout.group_size, layout.scale_dtype,
-                             layout.symmetric, layout.rotation, form.codebook, layout.scheme, form.layer_scale, codes,
-                             scales, ring, length)
+def write_rows(rows: Sequence[torch.Tensor], forms: Sequence[PackedForm], codes: Sequence[torch.Tensor],
+               scales: Sequence[torch.Tensor], rings: Sequence[torch.Tensor], length: torch.Tensor) -> None:
+    """Each role's rows (B, H, T, d) quantized in its form (every form of one layout, stats per token) into positions
+    length + 0..T-1 of its codes and scales (B, H, capacity, .), the last `window` of them exact into its ring
+    (B, H, window, d); `length` a 0-d int64 tensor on the rows' device, so a compiled step writes where the cache's
+    count says without a host read. A static cache passes K and V together where they share a layout: on CUDA one
+    kernel then writes both."""
+    forms = [_calibrated(form.on(role_rows.device)) for form, role_rows in zip(forms, rows, strict=True)]
+    layout = forms[0].layout
+    # checked eagerly only: traced, a layout's fields may be symbolic ints, which dynamo cannot compare as a
+    # dataclass's; the static cache groups its roles by layout once, when it is built
+    if not torch.compiler.is_compiling() and any(form.layout != layout for form in forms):
+        raise ValueError("write_rows takes roles of one layout: write each layout's roles in a call of its own")
+    torch.ops.kvq.write_rows(list(rows), [form.rotation_input for form in forms], [form.lam for form in forms],
+                             layout.bits, layout.group_size, layout.scale_dtype, layout.symmetric, layout.rotation,
+                             [form.codebook for form in forms], layout.scheme, [form.layer_scale for form in forms],
+                             list(codes), list(scales), list(rings), length)
 
 
 def _calibrated(form: PackedForm) -> PackedForm:

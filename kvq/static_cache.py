@@ -182,6 +182,11 @@ class StaticQuantizedLayer(StaticKVLayer):
         self.head_offsets = bank.center.offsets[layer] if layer in bank.key_centers else None  # (heads, d)
         self.key_offset = None  # the offsets on the device, broadcast over batch and tokens
         self.forms: dict[str, PackedForm] = {role: q.packed_form() for role, q in self.quantizers.items()}
+        # the roles each kvq::write_rows call writes: K and V together where they share a layout (one launch on
+        # CUDA), decided here, once, as it does not change; roles whose stats span tokens go through _write_groups
+        per_token = [role for role, form in self.forms.items() if form.layout.token_group == 1]
+        shared = len({self.forms[role].layout for role in per_token}) == 1
+        self.row_writes = [per_token] if shared else [[role] for role in per_token]
         self.kv_heads = bank.geometry.n_kv_heads
         group = max(form.layout.token_group for form in self.forms.values())
         if window < min(group, max_cache_len):  # a window of the whole cache never reads a code
@@ -234,15 +239,18 @@ class StaticQuantizedLayer(StaticKVLayer):
             key_states = key_states - self.key_offset
         new = key_states.shape[-2]
         recent = min(new, self.window)
-        for role, states in zip(ROLES, (key_states, value_states), strict=True):
+        rows = dict(zip(ROLES, (key_states, value_states), strict=True))
+        for role in ROLES:
             if self.forms[role].layout.layer_scaled and self.forms[role].layer_scale is None:
-                self._calibrate(role, states)
-            if self.forms[role].layout.token_group == 1:
-                ops.write_rows(states, self.forms[role], self.packed[role].codes, self.packed[role].scales,
-                               self.ring[role], self.length)
-            else:
-                self._write_groups(role, states)
-                self.ring[role].index_copy_(2, written[new - recent:] % self.window, states[..., new - recent:, :])
+                self._calibrate(role, rows[role])
+        for roles in self.row_writes:
+            ops.write_rows([rows[role] for role in roles], [self.forms[role] for role in roles],
+                           [self.packed[role].codes for role in roles], [self.packed[role].scales for role in roles],
+                           [self.ring[role] for role in roles], self.length)
+        for role in ROLES:
+            if self.forms[role].layout.token_group > 1:
+                self._write_groups(role, rows[role])
+                self.ring[role].index_copy_(2, written[new - recent:] % self.window, rows[role][..., new - recent:, :])
         self.length.add_(new)
         window = self.length.clamp(max=self.window)
         self.counts.copy_(((self.length - window) << 32 | window).reshape(1))

@@ -19,8 +19,7 @@ class KernelBackend:
 
     def quantize(self, layout: PackedLayout, constants: KernelConstants,
                  rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if rows.data_ptr() % 16:  # the kernel reads rows as 16-byte chunks
-            rows = rows.clone()
+        rows = _chunk_aligned(rows)
         n = rows.shape[0]
         codes = torch.empty(n, layout.code_bytes, dtype=torch.uint8, device=rows.device)
         scales = torch.empty(n, layout.stats, dtype=layout.scale_dtype, device=rows.device)
@@ -41,6 +40,11 @@ class KernelBackend:
     def _launch(self, layout: PackedLayout, name: str, dtypes: tuple, n: int, args: list) -> None:
         """dtypes: (input, output) element types of the build."""
         raise NotImplementedError
+
+
+def _chunk_aligned(rows: torch.Tensor) -> torch.Tensor:
+    """rows, or a copy of them where they do not start on 16 bytes: the kernels read rows as 16-byte chunks."""
+    return rows.clone() if rows.data_ptr() % 16 else rows
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -139,6 +143,23 @@ def prefetch_ahead(kernel: CudaLaunch, device: torch.device) -> int:
     return int(PREFETCH_WAVES * sms * kernel.resident_blocks * kernel.threads)
 
 
+WRITE_ROLES = 2  # csrc/entry_cuda.cu's KVQ_WRITE_ROLES: a static cache's K and V
+
+
+class WriteRole(ctypes.Structure):
+    """csrc/entry_cuda.cu's kvq_write_role, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "rows", "sign_words", "lam", "midpoints", "codes", "scales", "ring")] + [("has_lam", ctypes.c_uint)]
+
+
+class WriteArguments(ctypes.Structure):
+    """csrc/entry_cuda.cu's kvq_write_args, field for field."""
+
+    _fields_ = [("roles", WriteRole * WRITE_ROLES), ("length", ctypes.c_void_p)] + [
+        (name, ctypes.c_uint) for name in ("n", "tokens", "capacity", "window")]
+
+
 class CudaBackend(KernelBackend):
     name = "cuda"
 
@@ -147,16 +168,27 @@ class CudaBackend(KernelBackend):
         tail = [n, prefetch_ahead(kernel, args[0].device)] if name == "kvq_quantize" else [n]
         kernel(-(-n // kernel.threads), [*args, *tail])
 
-    def write_rows(self, layout: PackedLayout, constants: KernelConstants, rows: torch.Tensor, codes: torch.Tensor,
-                   scales: torch.Tensor, ring: torch.Tensor, length: torch.Tensor) -> None:
-        """rows (heads, T, d), 16-byte aligned, quantized into positions length + 0..T-1 of each head's rows of codes
-        (heads, capacity, code_bytes) and stats (heads, capacity, stats), the last `window` of them copied exact into
-        the ring (heads, window, d) at those positions modulo `window`: csrc/entry_cuda.cu's kvq_write_rows."""
-        heads, tokens = rows.shape[:2]
+    def write_rows(self, layout: PackedLayout, constants: list[KernelConstants], rows: list[torch.Tensor],
+                   codes: list[torch.Tensor], scales: list[torch.Tensor], rings: list[torch.Tensor],
+                   length: torch.Tensor) -> None:
+        """Each role's rows (heads, T, d) quantized with its constants into positions length +
+        0..T-1 of its heads' rows of codes (heads, capacity, code_bytes) and stats (heads, capacity, stats), the last
+        `window` of them copied exact into its ring (heads, window, d) at those positions modulo `window`: every role
+        in one launch of csrc/entry_cuda.cu's kvq_write_rows."""
+        rows = [_chunk_aligned(role_rows) for role_rows in rows]  # held until the launch is queued
+        heads, tokens = rows[0].shape[:2]
         n = heads * tokens
-        kernel = _cuda_kernel(kernel_defines(layout), rows.dtype, torch.float32, "kvq_write_rows", rows.device)
-        kernel(-(-n // kernel.threads), [rows, *constants.arguments(rows.dtype, reciprocal=False), codes, scales, ring,
-                                         length, n, tokens, codes.shape[1], ring.shape[1]])
+        kernel = _cuda_kernel(kernel_defines(layout), rows[0].dtype, torch.float32, "kvq_write_rows", rows[0].device)
+        roles = []
+        for role_constants, role_rows, role_codes, role_scales, ring in zip(constants, rows, codes, scales, rings,
+                                                                             strict=True):
+            words, lam, has_lam, midpoints = role_constants.arguments(role_rows.dtype, reciprocal=False)
+            roles.append(WriteRole(*(t.data_ptr() for t in (role_rows, words, lam, midpoints, role_codes, role_scales,
+                                                             ring)), has_lam))
+        padded = roles + roles[:1] * (WRITE_ROLES - len(roles))  # slots past the grid's roles go unread
+        kernel((-(-n // kernel.threads), len(roles)),
+               [WriteArguments((WriteRole * WRITE_ROLES)(*padded), length.data_ptr(), n, tokens, codes[0].shape[1],
+                               rings[0].shape[1])])
 
 
 @lru_cache(maxsize=64)

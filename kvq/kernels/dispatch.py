@@ -6,6 +6,7 @@ out."""
 import torch
 
 from kvq.kernels import backend_for, note_fallback
+from kvq.kernels.backends import WRITE_ROLES
 from kvq.kernels.plan import kernel_constants, unsupported_reason
 from kvq.ops import reference_dequantize, reference_quantize
 from kvq.quant.layout import PackedLayout
@@ -40,21 +41,22 @@ def kernel_dequantize(codes: torch.Tensor, scales: torch.Tensor, rotation: torch
                                                 scales.contiguous(), dtype)
 
 
-def kernel_write_rows(rows: torch.Tensor, rotation: torch.Tensor, lam: torch.Tensor | None, layout: PackedLayout,
-                      codebook: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor,
-                      length: torch.Tensor) -> bool:
-    """kvq::write_rows on CUDA in one launch where the shared body's build writes the layout (True); False where it
-    does not, and kvq.ops.write_rows_through_quantize writes instead."""
-    batch, heads, tokens, d = rows.shape
-    fits = (rows.is_cuda and _body_reason(layout) is None and rows.dtype == ring.dtype
-            and all(t.is_contiguous() for t in (codes, scales, ring))
-            and batch * heads * codes.shape[2] < 1 << 32)  # the kernel's slot of a row is 32-bit
+def kernel_write_rows(rows: list[torch.Tensor], rotations: list[torch.Tensor], lams: list[torch.Tensor | None],
+                      layout: PackedLayout, codebooks: list[torch.Tensor | None], codes: list[torch.Tensor],
+                      scales: list[torch.Tensor], rings: list[torch.Tensor], length: torch.Tensor) -> bool:
+    """kvq::write_rows on CUDA, every role in one launch, where the shared body's build writes the layout (True);
+    False where it does not, and kvq.ops.write_rows_through_quantize writes each role instead."""
+    batch, heads, tokens, d = rows[0].shape
+    same_shapes = all(len({tuple(t.shape) for t in role_tensors}) == 1 for role_tensors in (rows, codes, scales, rings))
+    fits = (rows[0].is_cuda and _body_reason(layout) is None and len(rows) <= WRITE_ROLES and same_shapes
+            and all(role.dtype == ring.dtype for role, ring in zip(rows, rings, strict=True))
+            and all(t.is_contiguous() for t in (*codes, *scales, *rings))
+            and batch * heads * codes[0].shape[2] < 1 << 32)  # the kernel's slot of a row is 32-bit
     if fits:
-        rows = rows.reshape(batch * heads, tokens, d).contiguous()
-        if rows.data_ptr() % 16:  # the kernel reads rows as 16-byte chunks
-            rows = rows.clone()
-        backend_for(rows.device).write_rows(layout, kernel_constants(rotation, lam, codebook), rows,
-                                            *(t.flatten(0, 1) for t in (codes, scales, ring)), length)
+        backend_for(rows[0].device).write_rows(
+            layout, [kernel_constants(*constants) for constants in zip(rotations, lams, codebooks, strict=True)],
+            [role.reshape(batch * heads, tokens, d).contiguous() for role in rows],
+            *([t.flatten(0, 1) for t in buffers] for buffers in (codes, scales, rings)), length)
     return fits
 
 

@@ -127,24 +127,46 @@ extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_dequantize(
 #endif
 }
 
-// A static cache's write (kvq.ops.write_rows): row r = head * tokens + t of (heads, tokens) new rows is quantized into
-// position length[0] + t of its head's `capacity` rows of codes and stats, and, where it is among the last `window`
-// of its head's new rows, copied exact into its head's ring of `window` rows at that position modulo `window`. The
-// position is read on the device, so one launch sequence, captured once, writes every decode step. One thread per
-// row, read in place: a decode step writes one row per head, far too few to stage.
-extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_write_rows(
-    const KVQ_IN_T* x, const uint* sign_words, const float* lam, uint has_lam, const float* midpoints, uchar* codes,
-    KVQ_SCALE_T* scales, KVQ_IN_T* ring, const long long* length, uint n, uint tokens, uint capacity, uint window) {
+// A static cache's write (kvq.ops.write_rows) of up to KVQ_WRITE_ROLES roles of one layout (its K and V), role
+// blockIdx.y: row r = head * tokens + t of the role's (heads, tokens) new rows is quantized with the role's constants
+// into position length[0] + t of its head's `capacity` rows of codes and stats, and, where it is among the last
+// `window` of its head's new rows, copied exact into its head's ring of `window` rows at that position modulo
+// `window`. The position is read on the device, so one launch sequence, captured once, writes every decode step. One
+// thread per row, read in place: a decode step writes one row per head and role, far too few to stage, and the
+// roles share one launch because each alone is latency, not bytes.
+#define KVQ_WRITE_ROLES 2
+
+// One role's rows and where they go (kvq.kernels.backends.WriteRole mirrors it).
+struct kvq_write_role {
+    const KVQ_IN_T* x;
+    const uint* sign_words;
+    const float* lam;
+    const float* midpoints;
+    uchar* codes;
+    KVQ_SCALE_T* scales;
+    KVQ_IN_T* ring;
+    uint has_lam;
+};
+
+// kvq_write_rows' arguments as one __grid_constant__ parameter (kvq.kernels.backends.WriteArguments mirrors it).
+struct kvq_write_args {
+    kvq_write_role roles[KVQ_WRITE_ROLES];
+    const long long* length;
+    uint n, tokens, capacity, window;
+};
+
+extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_write_rows(const __grid_constant__ kvq_write_args args) {
+    const kvq_write_role& role = args.roles[blockIdx.y];
     uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x;
-    if (vec >= n) return;
-    uint head = vec / tokens, t = vec % tokens;
-    kvq_index position = (kvq_index)length[0] + t;
-    kvq_index slot = (kvq_index)head * capacity + position;
-    const uint4* row = (const uint4*)(x + (kvq_index)vec * KVQ_D);
-    kvq_quantize_body(row, 0, sign_words, lam, has_lam, midpoints, (uint*)(codes + slot * KVQ_CODE_BYTES), 0, scales,
-                      (uint)slot);
-    if (t + window >= tokens) {
-        uint4* exact = (uint4*)(ring + ((kvq_index)head * window + position % window) * KVQ_D);
+    if (vec >= args.n) return;
+    uint head = vec / args.tokens, t = vec % args.tokens;
+    kvq_index position = (kvq_index)args.length[0] + t;
+    kvq_index slot = (kvq_index)head * args.capacity + position;
+    const uint4* row = (const uint4*)(role.x + (kvq_index)vec * KVQ_D);
+    kvq_quantize_body(row, 0, role.sign_words, role.lam, role.has_lam, role.midpoints,
+                      (uint*)(role.codes + slot * KVQ_CODE_BYTES), 0, role.scales, (uint)slot);
+    if (t + args.window >= args.tokens) {
+        uint4* exact = (uint4*)(role.ring + ((kvq_index)head * args.window + position % args.window) * KVQ_D);
         KVQ_UNROLL for (uint c = 0; c < KVQ_IN_CHUNKS; ++c) exact[c] = row[c];
     }
 }
