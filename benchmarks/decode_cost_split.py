@@ -25,7 +25,6 @@ from kvq.apply import KVGeometry, QuantizerBank
 from kvq.bench.decode import K8_V4
 from kvq.bench.timing import copy_bandwidth, time_per_layer
 from kvq.cache import DomainMaps
-from kvq.kernels.step import device_lengths
 from kvq.policy import parse_policy
 from kvq.quant import QuantSpec
 from kvq.static_cache import StaticQuantizedLayer
@@ -65,7 +64,7 @@ def measure(name: str, spec: QuantSpec, tokens: int, batch: int, bandwidth: floa
     # as in the static cache: a step attends over the packed rows before the one it writes, and the window's
     attended = tokens - 2 * WINDOW
     length = torch.tensor(attended, device="cuda")
-    counts = torch.tensor([device_lengths(attended, WINDOW)], device="cuda")
+    counts = torch.tensor([ops.device_lengths(attended, WINDOW)], device="cuda")
     query = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
 
     def write(step: ops.DecodeStep, rows: dict) -> None:
