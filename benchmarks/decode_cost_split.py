@@ -8,8 +8,11 @@ The write goes through what the static cache runs: kvq.ops.write_rows, K and V i
 so (StaticQuantizedLayer.row_writes), and kvq.ops.quantize for a role whose stats span token groups. Each is timed as
 CUDA-graph replays of one call per layer over 32 distinct layers' caches and written rows
 (kvq.bench.timing.time_per_layer), so no layer's bytes are still in L2 when it is read again; the mean per layer
-times 32 is the milliseconds per step. The attention's floor is its K/V bytes at the measured copy rate, so that
-across --tokens the fixed cost of a call (what the time keeps as the bytes go to zero) shows beside the streaming.
+times 32 is the milliseconds per step. As in the static cache, a step attends over the packed rows before the one
+it writes (their count on the device) and over the exact window. The attention's floor is the K/V bytes it reads at
+the measured copy rate, so that across --tokens the fixed cost of a call (what the time keeps as the bytes go to zero)
+shows beside the streaming. A third time is the write, then the attention, in a step's order: on CUDA the attention's
+packed programs stream beside the write, and what that saves shows against the two alone.
 """
 import argparse
 import dataclasses
@@ -58,21 +61,31 @@ def measure(name: str, spec: QuantSpec, tokens: int, batch: int, bandwidth: floa
                          (window[0].clone(), window[1].clone())), {r: writes[r].clone() for r in ("k", "v")})
               for _ in range(LAYERS)]
     del states
-    length = torch.tensor(tokens - 2 * WINDOW, device="cuda")  # positions inside every buffer
+    # as in the static cache: a step attends over the packed rows before the one it writes, and the window's
+    attended = tokens - 2 * WINDOW
+    length = torch.tensor(attended, device="cuda")
+    counts = torch.tensor([ops.device_lengths(attended, WINDOW)], device="cuda")
+    query = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
 
     def write(step: ops.DecodeStep, rows: dict) -> None:
         packed = {"k": step.keys, "v": step.values}
         ring = dict(zip(("k", "v"), step.window, strict=True))
-        for roles in row_writes:
-            ops.write_rows([rows[r] for r in roles], [forms[r] for r in roles], [packed[r].codes for r in roles],
-                           [packed[r].scales for r in roles], [ring[r] for r in roles], length)
         for role in (r for r in ("k", "v") if forms[r].layout.token_group > 1):  # as the cache's _write_groups
             ops.quantize(rows[role], forms[role])
+        for roles in row_writes:
+            ops.write_rows([rows[r] for r in roles], [forms[r] for r in roles], [packed[r].codes for r in roles],
+                           [packed[r].scales for r in roles], [ring[r] for r in roles], length, query)
 
-    query = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
-    _report(name, batch, tokens, time_per_layer(write, layers, "cuda"),
-            time_per_layer(lambda step, _: ops.decode_attention(query, step, D ** -0.5), layers, "cuda"),
-            kv_bytes / bandwidth, f"K {forms['k'].layout.bits}b, token_group {forms['k'].layout.token_group}")
+    def attend(step: ops.DecodeStep, _) -> torch.Tensor:
+        return ops.decode_attention(query, step, D ** -0.5, counts)
+
+    def write_then_attend(step: ops.DecodeStep, rows: dict) -> torch.Tensor:
+        write(step, rows)
+        return attend(step, rows)
+
+    _report(name, batch, tokens, *(time_per_layer(f, layers, "cuda") for f in (write, attend, write_then_attend)),
+            kv_bytes * attended / tokens / bandwidth,
+            f"K {forms['k'].layout.bits}b, token_group {forms['k'].layout.token_group}")
 
 
 def measure_fp16(tokens: int, batch: int, bandwidth: float, generator: torch.Generator) -> None:
@@ -84,16 +97,30 @@ def measure_fp16(tokens: int, batch: int, bandwidth: float, generator: torch.Gen
                 for _ in range(2)]) for _ in range(LAYERS)]
     position = torch.tensor([tokens - 1], device="cuda")
     query = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16)
-    write = time_per_layer(lambda kv, rows: [b.index_copy_(2, position, r) for b, r in zip(kv, rows, strict=True)],
-                           layers, "cuda")
-    attend = time_per_layer(lambda kv, _: F.scaled_dot_product_attention(query, *kv, enable_gqa=True), layers, "cuda")
-    _report("fp16", batch, tokens, write, attend, 2 * batch * HKV * tokens * D * 2 / bandwidth, "static, SDPA")
+
+    def write(kv: list, rows: list) -> None:
+        for buffer, row in zip(kv, rows, strict=True):
+            buffer.index_copy_(2, position, row)
+
+    def attend(kv: list, _) -> torch.Tensor:
+        return F.scaled_dot_product_attention(query, *kv, enable_gqa=True)
+
+    def write_then_attend(kv: list, rows: list) -> torch.Tensor:
+        write(kv, rows)
+        return attend(kv, rows)
+
+    _report("fp16", batch, tokens, *(time_per_layer(f, layers, "cuda") for f in (write, attend, write_then_attend)),
+            2 * batch * HKV * tokens * D * 2 / bandwidth, "static, SDPA")
 
 
-def _report(name: str, batch: int, tokens: int, write: float, attend: float, floor: float, what: str) -> None:
+def _report(name: str, batch: int, tokens: int, write: float, attend: float, both: float, floor: float,
+            what: str) -> None:
+    """Per step of LAYERS layers; `both`: the write, then the attention, as a step runs them (on CUDA the kvq
+    attention's packed programs stream beside the write: what `both` saves against write + attend)."""
     print(f"{name:16s} batch {batch} tokens {tokens:>6}  write x{LAYERS} {write * LAYERS * 1e3:7.3f} ms  "
           f"attend x{LAYERS} {attend * LAYERS * 1e3:7.3f} ms, {attend / floor:5.2f}x its K/V floor "
-          f"({attend * 1e6:7.2f} against {floor * 1e6:7.2f} us a layer; {what})", flush=True)
+          f"({attend * 1e6:7.2f} against {floor * 1e6:7.2f} us a layer)  write, then attend x{LAYERS} "
+          f"{both * LAYERS * 1e3:7.3f} ms (saves {(write + attend - both) * LAYERS * 1e3:6.3f}; {what})", flush=True)
 
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -177,12 +177,14 @@ def _write_rows(rows: list[torch.Tensor], rotations: list[torch.Tensor], lams: l
                 group_size: int, scale_dtype: torch.dtype | None, symmetric: bool, rotation_kind: str,
                 codebooks: list[torch.Tensor | None], scheme: str, layer_scales: list[torch.Tensor | None],
                 codes: list[torch.Tensor], scales: list[torch.Tensor], rings: list[torch.Tensor],
-                length: torch.Tensor) -> None:
+                length: torch.Tensor, after: torch.Tensor | None) -> None:
     """Each role's rows (B, H, T, d) -> their codes and stats, in the layout of one stats row per token these
     arguments name (as kvq::quantize's; the roles' own rotation, lambda, codebook and layer scale), at positions
     length + 0..T-1 of that role's codes (B, H, capacity, code_bytes) and scales (B, H, capacity, stats); the last
     `window` of them exact into its ring (B, H, window, d) at those positions modulo `window`. length: a 0-d int64
-    tensor. On CUDA one kernel writes every role of the layouts the shared body writes."""
+    tensor. `after`: a tensor the write must follow, unread (a decode step's query: a compiled step then launches
+    the write just before the attention that runs beside it). On CUDA one kernel writes every role of the layouts
+    the shared body writes."""
     layout = _written_layout(rows, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme,
                              layer_scales)
     _write_each_through_quantize(layout, rows, rotations, lams, codebooks, layer_scales, codes, scales, rings, length)
@@ -190,13 +192,13 @@ def _write_rows(rows: list[torch.Tensor], rotations: list[torch.Tensor], lams: l
 
 @_write_rows.register_fake
 def _(rows, rotations, lams, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme, layer_scales,
-      codes, scales, rings, length):
+      codes, scales, rings, length, after):
     return None
 
 
 @_write_rows.register_kernel("cuda")
 def _(rows, rotations, lams, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme, layer_scales,
-      codes, scales, rings, length):
+      codes, scales, rings, length, after):
     from kvq.kernels.dispatch import kernel_write_rows
 
     layout = _written_layout(rows, bits, group_size, scale_dtype, symmetric, rotation_kind, codebooks, scheme,
@@ -319,12 +321,14 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: PackedForm, dtyp
 
 
 def write_rows(rows: Sequence[torch.Tensor], forms: Sequence[PackedForm], codes: Sequence[torch.Tensor],
-               scales: Sequence[torch.Tensor], rings: Sequence[torch.Tensor], length: torch.Tensor) -> None:
+               scales: Sequence[torch.Tensor], rings: Sequence[torch.Tensor], length: torch.Tensor,
+               after: torch.Tensor | None = None) -> None:
     """Each role's rows (B, H, T, d) quantized in its form (every form of one layout, stats per token) into positions
     length + 0..T-1 of its codes and scales (B, H, capacity, .), the last `window` of them exact into its ring
     (B, H, window, d); `length` a 0-d int64 tensor on the rows' device, so a compiled step writes where the cache's
     count says without a host read. A static cache passes K and V together where they share a layout: on CUDA one
-    kernel then writes both."""
+    kernel then writes both. `after`: a tensor the write must follow in a compiled step, unread (a decode step's
+    query, so that the write launches just before the step's attention)."""
     forms = [_calibrated(form.on(role_rows.device)) for form, role_rows in zip(forms, rows, strict=True)]
     layout = forms[0].layout
     # checked eagerly only: traced, a layout's fields may be symbolic ints, which dynamo cannot compare as a
@@ -334,7 +338,7 @@ def write_rows(rows: Sequence[torch.Tensor], forms: Sequence[PackedForm], codes:
     torch.ops.kvq.write_rows(list(rows), [form.rotation_input for form in forms], [form.lam for form in forms],
                              layout.bits, layout.group_size, layout.scale_dtype, layout.symmetric, layout.rotation,
                              [form.codebook for form in forms], layout.scheme, [form.layer_scale for form in forms],
-                             list(codes), list(scales), list(rings), length)
+                             list(codes), list(scales), list(rings), length, after)
 
 
 def _calibrated(form: PackedForm) -> PackedForm:

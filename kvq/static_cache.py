@@ -187,6 +187,8 @@ class StaticQuantizedLayer(StaticKVLayer):
         per_token = [role for role, form in self.forms.items() if form.layout.token_group == 1]
         shared = len({self.forms[role].layout for role in per_token}) == 1
         self.row_writes = [per_token] if shared else [[role] for role in per_token]
+        self.writes_per_token = len(per_token) == len(ROLES)  # a decode step's write can wait for its attention
+        self.pending: dict[str, torch.Tensor] | None = None  # that write's rows, from update to attend
         self.kv_heads = bank.geometry.n_kv_heads
         group = max(form.layout.token_group for form in self.forms.values())
         if window < min(group, max_cache_len):  # a window of the whole cache never reads a code
@@ -243,18 +245,20 @@ class StaticQuantizedLayer(StaticKVLayer):
         for role in ROLES:
             if self.forms[role].layout.layer_scaled and self.forms[role].layer_scale is None:
                 self._calibrate(role, rows[role])
-        for roles in self.row_writes:
-            ops.write_rows([rows[role] for role in roles], [self.forms[role] for role in roles],
-                           [self.packed[role].codes for role in roles], [self.packed[role].scales for role in roles],
-                           [self.ring[role] for role in roles], self.length)
-        for role in ROLES:
-            if self.forms[role].layout.token_group > 1:
-                self._write_groups(role, rows[role])
-                self.ring[role].index_copy_(2, written[new - recent:] % self.window, rows[role][..., new - recent:, :])
+        attended = new == 1 and self.rerouted and self.unpadded  # attend() reads the codes; update's return goes unread
+        if attended and self.writes_per_token:
+            self.pending = rows  # attend() writes them
+        else:
+            self._write_rows(rows, self.length)
+            for role in ROLES:
+                if self.forms[role].layout.token_group > 1:
+                    self._write_groups(role, rows[role])
+                    self.ring[role].index_copy_(2, written[new - recent:] % self.window,
+                                                rows[role][..., new - recent:, :])
         self.length.add_(new)
         window = self.length.clamp(max=self.window)
         self.counts.copy_(((self.length - window) << 32 | window).reshape(1))
-        if new == 1 and self.rerouted and self.unpadded:  # attend() reads the codes; what update returns goes unread
+        if attended:
             return key_states, value_states
         visible = self._visible()
         return tuple(self.attention_ready(role, visible).index_copy(2, written, states)
@@ -269,6 +273,14 @@ class StaticQuantizedLayer(StaticKVLayer):
         self.forms[role] = self.quantizers[role].calibrated_form(states).on(self.device)
         torch._dynamo.mark_static_address(self.forms[role].layer_scale)
         self.maps.rescale(self.forms["k"], self.forms["v"])
+
+    def _write_rows(self, rows: dict[str, torch.Tensor], start: torch.Tensor,
+                    after: torch.Tensor | None = None) -> None:
+        """The roles whose stats are per token, from position `start`, with kvq::write_rows (following `after`)."""
+        for roles in self.row_writes:
+            ops.write_rows([rows[role] for role in roles], [self.forms[role] for role in roles],
+                           [self.packed[role].codes for role in roles], [self.packed[role].scales for role in roles],
+                           [self.ring[role] for role in roles], start, after)
 
     def _write_groups(self, role: str, states: torch.Tensor) -> None:
         """Codes and stats of every token group the new tokens touch, from the group's first position: its tokens
@@ -307,12 +319,18 @@ class StaticQuantizedLayer(StaticKVLayer):
         return dequantized.index_copy(2, in_window, ring)
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """From the codes and the ring."""
+        """From the codes and the ring, after the decode step's own write, which update left to this call: a compiled
+        step then launches the write just before the attention, whose CUDA kernel streams the packed rows beside it
+        (csrc/decode_attention.cu; kvq_write_rows lets it launch at once)."""
+        if self.pending is not None:
+            rows, self.pending = self.pending, None
+            self._write_rows(rows, self.length - 1, after=query)
         step = self.maps.step(self.packed["k"], self.packed["v"], (self.ring["k"], self.ring["v"]))
         return ops.decode_attention(query.squeeze(-2), step, scaling, self.counts).unsqueeze(1)
 
     def reset(self) -> None:
         super().reset()
+        self.pending = None
         if self.is_initialized:
             self.counts.zero_()
 

@@ -5,11 +5,13 @@ attention is the reference it must match.
 """
 
 import contextlib
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import DEVICES, requires_cuda, requires_models
+from torch._inductor.utils import run_and_get_code
 from transformers import (
     Gemma2Config,
     Gemma3ForCausalLM,
@@ -220,6 +222,25 @@ def test_a_decode_step_compiles_as_one_graph_over_the_reference_ops(policy):
         model(prompt, past_key_values=reference, use_cache=True)
         eager = model(token, past_key_values=reference, cache_position=torch.tensor([11]), use_cache=True).logits
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=0)
+
+
+def test_a_compiled_decode_step_writes_each_layer_just_before_its_attention():
+    """The write follows the query (kvq::write_rows' `after`), so inductor cannot hoist it away from the attention:
+    on CUDA the attention's kernel then launches beside the write (csrc/decode_attention.cu)."""
+    model = tiny("llama")
+    cache = StaticQuantizedCache(bank_for(model), model.config, max_cache_len=32, window=WINDOW).allocate(model, 1)
+    prompt = torch.randint(0, 101, (1, 11), generator=torch.Generator().manual_seed(2))
+    with fused_decoding(model, cache), torch.no_grad():
+        model(prompt, past_key_values=cache, use_cache=True)
+        step = torch.compile(lambda ids, position: model(ids, past_key_values=cache, cache_position=position,
+                                                         use_cache=True).logits, fullgraph=True)
+        _, code = run_and_get_code(step, torch.tensor([[7]]), torch.tensor([11]))
+    launches = [line for line in "\n".join(code).splitlines()
+                if re.search(r"\b(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", line)
+                and "async_compile" not in line]
+    attentions = [i for i, line in enumerate(launches) if "torch.ops.kvq.decode_attention" in line]
+    assert len(attentions) == model.config.num_hidden_layers
+    assert all("torch.ops.kvq.write_rows" in launches[i - 1] for i in attentions)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,7 +16,7 @@ import torch
 from kvq.kernels.backends import CudaLaunch
 from kvq.kernels.launch import properties
 from kvq.kernels.plan import KERNEL_SCALE_DTYPES
-from kvq.kernels.source import DTYPE_DEFINES, kernel_text
+from kvq.kernels.source import DTYPE_DEFINES, PROGRAMMATIC_CUDA, kernel_text
 
 HEAD_DIM = 128  # csrc/decode_attention.cu's KVQ_D
 GROUPS = 4  # its scale groups per row (32 coordinates each)
@@ -109,7 +109,8 @@ def source(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32, key_bit
                f"#define KVQ_OFFSETS {int(offsets)}\n"
                f"#define KVQ_KEY_CHANNELS {key_channels}\n#define KVQ_CODEBOOK {int(codebook)}\n"
                f"#define KVQ_TOKEN_SCALE {int(token_scale)}\n")
-    return defines + kernel_text("decode_primitives.cuh") + kernel_text("decode_attention.cu")
+    files = (PROGRAMMATIC_CUDA, "decode_primitives.cuh", "decode_attention.cu")
+    return defines + "".join(kernel_text(name) for name in files)
 
 
 def partial_kernel_for(query: torch.Tensor, keys, values) -> CudaLaunch:

@@ -559,7 +559,6 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
     kvq_query_map_fragments map = kvq_load_query_map(args.query_map, warp, lane);
-    kvq_await_previous_kernel();
     kvq_map_query(map, query, rows, bh, gqa, warp, r, c);
     __syncthreads();
     bool live = c / 2 == r / 4 && head < gqa;
@@ -836,6 +835,7 @@ __device__ __forceinline__ void kvq_packed_split(const kvq_decode_args& args, uc
         total += weight * theirs[KVQ_HEADS * KVQ_D + KVQ_HEADS + h];
     }
     unsigned long long stat = ((unsigned long long)bh * gqa + h) * n_splits + split;
+    kvq_await_previous_kernel();  // the previous step's reduce reads the partials
     *(float4*)(partial + stat * KVQ_D + x) = out;
     if (x == 0) {
         maxima[stat] = top * KVQ_LN2;
@@ -893,8 +893,12 @@ extern "C" __global__ void __launch_bounds__(KVQ_WARPS * 32, KVQ_MIN_BLOCKS) kvq
 #else
     const kvq_levels* tables = nullptr;
 #endif
-    // Programmatic dependent launch: the next kernel may launch now. This one reads the query only after
-    // kvq_await_previous_kernel, and writes nothing before it: the previous step's reduce reads the partials.
+    // Programmatic dependent launch: the next kernel may launch now, and this one may run beside the previous one. Its
+    // packed programs read the counts, the query and the packed rows before kvq_await_previous_kernel, so the previous
+    // kernel must not write those: a static cache's write (kvq_write_rows) writes rows past the packed ones read and
+    // the ring, and the model's kernels that make the query never let this one launch before they end. They write
+    // their partials only after it, as the previous step's reduce reads them; the window program reads the ring
+    // after it.
     kvq_launch_dependents();
     if (args.device_lengths) {  // never past the buffers, whatever the device holds
         long long counts = *args.lengths;

@@ -238,18 +238,3 @@ __device__ __forceinline__ void kvq_copy16(uint shared, const void* global, uint
 // a step (tokens 2c + e (+ 8), one word per lane) hits 32 distinct banks.
 __device__ __forceinline__ uint kvq_v_row(uint token) { return token ^ ((token >> 1) & 1u); }
 __device__ __forceinline__ uint kvq_v_chunk(uint token, uint chunk) { return chunk ^ ((token >> 2) & 1u); }
-
-// Programmatic dependent launch (compute capability 9.0 on; kvq.kernels.decode_attention launches these kernels plainly
-// before sm_90, where the stream's order alone serializes them and griddepcontrol does not assemble).
-// kvq_launch_dependents: the stream's next kernel may launch now. kvq_await_previous_kernel: waits until the
-// previous kernel has finished and its writes are visible.
-__device__ __forceinline__ void kvq_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-__device__ __forceinline__ void kvq_await_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}

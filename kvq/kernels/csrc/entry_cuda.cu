@@ -156,6 +156,10 @@ struct kvq_write_args {
 };
 
 extern "C" __global__ void __launch_bounds__(KVQ_BLOCK) kvq_write_rows(const __grid_constant__ kvq_write_args args) {
+    // A decode attention's partial kernel may launch now and stream the packed rows beside this write, which writes
+    // only rows past them and the ring; it awaits this kernel before it reads the ring or writes anything. A kernel
+    // launched without the attribute still waits for this one to end.
+    kvq_launch_dependents();
     const kvq_write_role& role = args.roles[blockIdx.y];
     uint vec = blockIdx.x * KVQ_BLOCK + threadIdx.x;
     if (vec >= args.n) return;
