@@ -12,6 +12,10 @@ only. Busy is the time per step at least one GPU kernel runs; a step longer than
 or on gaps between kernels. The kernels' durations sum to more than busy where they overlap: a kernel launched
 early (programmatic dependent launch) counts its wait for the one before. The top kernels say which of them fill
 the busy time, and the count of kernels a step runs says how much of it is launches of small ones.
+
+For a row with kvq's decode kernels, each layer's write, partial and reduce are also placed on the timeline: how
+long the write runs, how far into it the partial starts, how long the partial runs past the write's end, and how
+long the reduce ends after the partial: the last is the latency the split-K reduce adds to a layer.
 """
 
 import argparse
@@ -44,8 +48,36 @@ def kernel_times(trace) -> tuple[collections.Counter, int, float]:
     return times, launches, busy
 
 
+LAYER_KERNELS = ("kvq_write_rows", "kvq_decode_partial", "kvq_decode_reduce")
+
+
+def attention_spans(trace) -> dict[str, float] | None:
+    """Mean microseconds per layer between kvq's decode kernels on the timeline (None without them). A layer is its
+    writes (one or one per role), then its partial, then its reduce, in start order."""
+    events = sorted((event.time_range.start, event.time_range.end, kind) for event in trace.events()
+                    if event.device_type == torch.autograd.DeviceType.CUDA
+                    for kind in LAYER_KERNELS if kind in event.name)
+    layers, writes, partial = [], [], None
+    for start, end, kind in events:
+        if kind == LAYER_KERNELS[0]:
+            writes.append((start, end))
+        elif kind == LAYER_KERNELS[1]:
+            partial = (start, end)
+        elif writes and partial is not None:
+            first_write, last_write_end = writes[0][0], max(end for _, end in writes)
+            layers.append({"write": last_write_end - first_write,
+                           "partial starts into the write": partial[0] - first_write,
+                           "partial runs past the write": partial[1] - last_write_end,
+                           "reduce ends after the partial": end - partial[1],
+                           "write start to reduce end": end - first_write})
+            writes, partial = [], None
+    if not layers:
+        return None
+    return {name: sum(layer[name] for layer in layers) / len(layers) for name in layers[0]}
+
+
 def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
-                     prefill_chunk: int | None) -> tuple[float, dict, float, float]:
+                     prefill_chunk: int | None) -> tuple[float, dict, float, float, None]:
     profiles, runs = [], []
     for tokens in (WARM_STEPS, new_tokens + WARM_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
@@ -56,11 +88,11 @@ def generate_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
     steps = runs[1].steps_s[WARM_STEPS:]
     per_step = {name: (us - short_times[name]) / new_tokens for name, us in long_times.items()}
     return (sum(steps) / len(steps), per_step, (long_launches - short_launches) / new_tokens,
-            (long_busy - short_busy) / new_tokens)
+            (long_busy - short_busy) / new_tokens, None)
 
 
 def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
-                      prefill_chunk: int | None) -> tuple[float, dict, float, float]:
+                      prefill_chunk: int | None) -> tuple[float, dict, float, float, dict | None]:
     kv = cache.setup(model, prompt.shape[0], max_tokens)["past_key_values"]
     trace = profile(activities=[ProfilerActivity.CUDA])
     clock = StepClock(prompt.device)
@@ -79,7 +111,7 @@ def step_loop_profile(model, cache, prompt, new_tokens: int, max_tokens: int,
     steps = clock.seconds()[1][WARM_STEPS:]
     times, launches, busy = kernel_times(trace)
     return (sum(steps) / len(steps), {name: us / len(steps) for name, us in times.items()}, launches / len(steps),
-            busy / len(steps))
+            busy / len(steps), attention_spans(trace))
 
 
 def main() -> None:
@@ -99,12 +131,14 @@ def main() -> None:
     for cache in chosen:
         warm_up(model, cache, prompt, max_tokens, args.new_tokens + WARM_STEPS, chunk)
         measure = step_loop_profile if cache.loop == "step" else generate_profile
-        step_s, per_step, launches, busy_us = measure(model, cache, prompt, args.new_tokens, max_tokens, chunk)
+        step_s, per_step, launches, busy_us, spans = measure(model, cache, prompt, args.new_tokens, max_tokens, chunk)
         print(f"\n{cache.label}: {1e3 * step_s:.2f} ms/step on the GPU timeline, {busy_us / 1e3:.2f} ms of it with "
               f"a kernel running; {launches:.0f} kernels, their durations summing to "
               f"{sum(per_step.values()) / 1e3:.2f} ms")
         for name, us in sorted(per_step.items(), key=lambda item: -item[1])[:args.top]:
             print(f"  {us / 1e3:7.3f} ms/step  {name[:110]}")
+        if spans:
+            print("  per layer: " + ", ".join(f"{name} {us:.2f} us" for name, us in spans.items()))
 
 
 if __name__ == "__main__":
